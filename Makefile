@@ -1,0 +1,63 @@
+# reprotune: every stage is a make target; every target takes Hydra overrides in ARGS:
+#   make train ARGS="method=qlora train.max_steps=20"
+# Each target bootstraps .venv from the hash-locked lockfile first (idempotent; reused when current).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VARIANT ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+PYTEST_ARGS ?=
+export REPROTUNE_LOCK_VARIANT := $(VARIANT)
+# Runs are offline unless a model preset needs the hub; tokenizers' thread pool is off for determinism.
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_DISABLE_TELEMETRY := 1
+export DO_NOT_TRACK := 1
+export PYTHONHASHSEED := 0
+
+DATA := data/raw/invoices.jsonl
+
+.PHONY: help
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+.PHONY: venv
+venv: ## Build or reuse .venv from lockfiles/<VARIANT>.txt (hash-checked; VARIANT=cpu or cuda)
+	@VARIANT=$(VARIANT) VENV=$(VENV) bash scripts/bootstrap.sh
+
+.PHONY: lock
+lock: ## Regenerate lockfiles/ from pyproject.toml (needs uv)
+	@command -v uv >/dev/null 2>&1 || python3 -m pip install --quiet 'uv==0.13.9'
+	bash scripts/lock.sh
+
+.PHONY: data
+data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate; then verify the DVC hash
+	@bash scripts/get_data.sh
+
+.PHONY: prepare
+prepare: data ## Validate, convert, scrub and split the data into data/prepared/
+	$(PY) -m reprotune.prepare $(ARGS)
+
+.PHONY: train
+train: prepare ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
+	$(PY) -m reprotune.train $(ARGS)
+
+.PHONY: test
+test: venv data ## Run the test suite (the same command CI runs)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+.PHONY: test-smoke
+test-smoke: venv data ## A short train on the tiny random model (seconds)
+	$(PY) -m reprotune.prepare $(ARGS)
+	$(PY) -m reprotune.train model=tiny_random train.max_steps=4 train.save_steps=2 $(ARGS)
+
+.PHONY: lint
+lint: venv ## ruff
+	$(VENV)/bin/ruff check src tests scripts bench
+
+.PHONY: clean
+clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and raw data)
+	rm -rf outputs data/prepared

@@ -1,0 +1,3 @@
+"""reprotune: reproducible LoRA/QLoRA fine-tuning of open LLMs."""
+
+__version__ = "0.1.0"

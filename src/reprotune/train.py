@@ -1,0 +1,394 @@
+"""Train stage: TRL SFTTrainer + PEFT (LoRA, QLoRA, DoRA) on the prepared chat data.
+
+    python -m reprotune.train [hydra overrides]      # == make train ARGS="..."
+
+Reads  data/prepared/train.jsonl and the configured base model.
+Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json,
+       outputs/train/loss.png and outputs/train/manifest.json. Checkpoints go to outputs/checkpoints/ and
+       an interrupted run resumes from the last one (train.resume=auto).
+
+Read top to bottom: settings -> data -> model -> trainer -> train -> save -> report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune.config import CONF_DIR
+
+log = logging.getLogger("reprotune.train")
+
+
+# ----------------------------------------------------------------------------------------------- settings
+def resolve_device(cfg: DictConfig) -> str:
+    import torch
+
+    wanted = cfg.hardware.device
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("train: hardware=gpu asked for CUDA, but torch sees no GPU (try hardware=cpu)")
+    return wanted
+
+
+def resolve_dtype(cfg: DictConfig, device: str) -> str:
+    if cfg.hardware.dtype != "auto":
+        return cfg.hardware.dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def resolve_gradient_checkpointing(cfg: DictConfig, device: str) -> bool:
+    setting = cfg.hardware.gradient_checkpointing
+    return device == "cuda" if setting == "auto" else bool(setting)
+
+
+def set_reproducibility(cfg: DictConfig, device: str) -> None:
+    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU)."""
+    import torch
+    from transformers import set_seed
+
+    if cfg.hardware.num_threads:
+        torch.set_num_threads(int(cfg.hardware.num_threads))
+    if cfg.repro == "strict":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    elif cfg.repro != "default":
+        raise SystemExit(f"train: repro must be 'default' or 'strict', not {cfg.repro!r}")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.hardware.tf32)
+        torch.backends.cudnn.allow_tf32 = bool(cfg.hardware.tf32)
+    set_seed(int(cfg.seed), deterministic=cfg.repro == "strict")
+
+
+# ------------------------------------------------------------------------------------------------- data
+def read_messages(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise SystemExit(f"train: {path} not found; run 'make prepare' first")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                rows.append({"messages": json.loads(line)["messages"]})
+    if not rows:
+        raise SystemExit(f"train: {path} holds no examples")
+    return rows
+
+
+def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """A validation split drawn from train (never the holdout), chosen by content hash so it is stable."""
+    def pick(row: dict) -> bool:
+        digest = hashlib.sha256(json.dumps(row["messages"], sort_keys=True).encode()).hexdigest()
+        return int(digest[:8], 16) / 0xFFFFFFFF < fraction
+
+    val = [r for r in rows if pick(r)]
+    return [r for r in rows if not pick(r)], val
+
+
+# ------------------------------------------------------------------------------------------------ model
+def load_tokenizer(model_dir: str, cfg: DictConfig):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, revision=cfg.model.revision,
+                                              trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.model.chat_template:
+        tokenizer.chat_template = Path(cfg.model.chat_template).read_text()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(model_dir: str, cfg: DictConfig, device: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
+                              "trust_remote_code": cfg.model.trust_remote_code}
+    if cfg.repro == "strict":
+        kwargs["attn_implementation"] = "eager"  # no nondeterministic fused attention backward
+    if cfg.method.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=cfg.method.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=cfg.method.bnb_4bit_use_double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, dtype),
+            bnb_4bit_quant_storage=getattr(torch, dtype),
+        )
+        kwargs["device_map"] = {"": 0} if device == "cuda" else {"": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    # Never run an eval-mode forward (generate) here on a 4-bit model: on CPU it repacks the weights and the
+    # following training silently gets wrong gradients.
+    return model
+
+
+def lora_config(cfg: DictConfig):
+    from peft import LoraConfig
+
+    targets = cfg.method.target_modules or cfg.model.lora_target_modules
+    return LoraConfig(
+        r=int(cfg.method.r),
+        lora_alpha=int(cfg.method.alpha),
+        lora_dropout=float(cfg.method.dropout),
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        use_dora=bool(cfg.method.use_dora),
+        bias=cfg.method.bias,
+        task_type="CAUSAL_LM",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool):
+    from trl import SFTConfig
+
+    t = cfg.train
+    eval_steps = int(t.eval_steps) if t.eval_steps and has_val else None
+    return SFTConfig(
+        output_dir=cfg.paths.checkpoints,
+        max_steps=int(t.max_steps),
+        num_train_epochs=float(t.num_train_epochs),
+        per_device_train_batch_size=int(t.per_device_train_batch_size),
+        per_device_eval_batch_size=int(t.per_device_train_batch_size),
+        gradient_accumulation_steps=int(t.gradient_accumulation_steps),
+        learning_rate=float(t.learning_rate),
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_steps,
+        weight_decay=float(t.weight_decay),
+        max_grad_norm=float(t.max_grad_norm),
+        optim=t.optim,
+        max_length=int(t.max_length),
+        packing=bool(t.packing),
+        assistant_only_loss=bool(t.assistant_only_loss),
+        chat_template_path=cfg.model.training_chat_template,
+        logging_steps=int(t.logging_steps),
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=int(t.save_steps),
+        save_total_limit=int(t.save_total_limit),
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        seed=int(cfg.seed),
+        data_seed=int(cfg.seed),
+        use_cpu=device == "cpu",
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        activation_checkpointing=resolve_gradient_checkpointing(cfg, device),
+        report_to=[] if t.report_to in (None, "none") else [t.report_to],
+        push_to_hub=False,
+        dataloader_num_workers=0,
+        dataset_num_proc=None,
+        include_num_input_tokens_seen="non_padding",
+        disable_tqdm=False,
+    )
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """What a checkpoint must match to be resumed: everything that shapes training (not paths)."""
+    keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "method", "data", "train")}
+    keep["seed"] = cfg.seed
+    keep["repro"] = cfg.repro
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
+def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
+    """The last complete checkpoint of this same configuration, or None (stale ones are removed)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    ckpt_root = Path(cfg.paths.checkpoints)
+    stamp = ckpt_root / "reprotune-run.json"
+    if cfg.train.resume == "never" or not ckpt_root.is_dir():
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+        return None
+    recorded = json.loads(stamp.read_text()).get("fingerprint") if stamp.is_file() else None
+    if recorded != fingerprint:
+        log.info("discarding checkpoints of a different configuration in %s", ckpt_root)
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+        return None
+    last = get_last_checkpoint(str(ckpt_root))
+    if last:
+        log.info("resuming from %s", last)
+    return last
+
+
+# ----------------------------------------------------------------------------------------------- report
+def loss_curves(log_history: list[dict]) -> dict[str, list]:
+    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h]
+    return {"train": train, "eval": evals}
+
+
+def plot_loss(curves: dict[str, list], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if curves["train"]:
+        ax.plot(*zip(*curves["train"], strict=True), label="train loss", marker=".")
+    if curves["eval"]:
+        ax.plot(*zip(*curves["eval"], strict=True), label="eval loss (validation split of train)", marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (assistant tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, metadata={"Software": None})  # no version stamp: same curve, same bytes
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
+    text = f"""# reprotune adapter: {cfg.model.name} + {cfg.method.name} on {cfg.data.name}
+
+- Base model: `{cfg.model.name}` ({cfg.model.source}: `{cfg.model.path or cfg.model.get('builtin', {}).get('file')}`)
+- Method: {cfg.method.name} (r={cfg.method.r}, alpha={cfg.method.alpha}, dora={cfg.method.use_dora}, 4-bit base={cfg.method.load_in_4bit})
+- Data: `{cfg.data.name}` ({metrics['train_examples']} training examples; private={cfg.data.private})
+- Steps: {metrics['global_step']}, final train loss {metrics['final_train_loss']:.4f}, seed {cfg.seed}
+- Produced by `make train`; the full provenance is in `outputs/train/manifest.json`.
+
+Load with PEFT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<base>), "outputs/adapter")`.
+{"This adapter was trained on private data: do not publish it." if cfg.data.private else ""}
+"""
+    (adapter_dir / "README.md").write_text(text)
+
+
+def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None) -> Path:
+    """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
+    final = Path(cfg.paths.adapter)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.model.save_pretrained(tmp)
+    # Ship the model's own chat template (same rendering as the training one, without the loss markers,
+    # which inference engines such as llama.cpp do not understand).
+    tokenizer.chat_template = original_template
+    tokenizer.save_pretrained(tmp)
+    write_model_card(tmp, cfg, metrics)
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# ------------------------------------------------------------------------------------------------- main
+def train(cfg: DictConfig) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from reprotune import manifest as mf
+    from reprotune.models import resolve_model_dir
+
+    started = time.time()
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    set_reproducibility(cfg, device)
+    log.info("device=%s dtype=%s method=%s model=%s", device, dtype, cfg.method.name, cfg.model.name)
+
+    train_file = Path(cfg.paths.prepared) / "train.jsonl"
+    rows = read_messages(train_file)
+    val_rows: list[dict] = []
+    if cfg.train.eval_steps:
+        rows, val_rows = split_validation(rows, float(cfg.train.val_fraction))
+
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    tokenizer = load_tokenizer(model_dir, cfg)
+    original_template = tokenizer.chat_template
+    model = load_base_model(model_dir, cfg, device, dtype)
+
+    fingerprint = config_fingerprint(cfg)
+    resume_from = checkpoint_to_resume(cfg, fingerprint)
+    Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
+    mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
+
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_config(cfg, device, dtype, bool(val_rows)),
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
+        processing_class=tokenizer,
+        peft_config=lora_config(cfg),
+    )
+    # TRL drops examples whose labels are all masked; count what is left to learn from.
+    masked = sum(sum(1 for t in ex["labels"] if t != -100) for ex in trainer.train_dataset)
+    if masked == 0:
+        raise SystemExit("train: the loss mask is empty: no assistant tokens to learn from (check the chat template)")
+    trainable, total = trainer.model.get_nb_trainable_parameters()
+    log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    train_started = time.time()
+    result = trainer.train(resume_from_checkpoint=resume_from)
+    train_seconds = time.time() - train_started
+
+    curves = loss_curves(trainer.state.log_history)
+    tokens_seen = int(trainer.state.num_input_tokens_seen)
+    metrics = {
+        "global_step": int(trainer.state.global_step),
+        "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
+        "mean_train_loss": float(result.training_loss),
+        "train_loss_curve": curves["train"],
+        "eval_loss_curve": curves["eval"],
+        "train_examples": len(rows),
+        "validation_examples": len(val_rows),
+        "assistant_tokens": masked,
+        "tokens_seen": tokens_seen,
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+    }
+    out_dir = Path(cfg.paths.train_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template)
+    mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: no timings in here
+    plot_loss(curves, out_dir / "loss.png")
+
+    adapter_files = mf.sha256_tree(adapter_dir)
+    record = mf.base_manifest("train", OmegaConf.to_container(cfg, resolve=True))
+    record.update({
+        "seeds": {"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
+        "device": device,
+        "dtype": dtype,
+        "resumed_from": resume_from,
+        "inputs": {"train_data": {"path": train_file.as_posix(), "sha256": mf.sha256_file(train_file)},
+                   "base_model": {"path": model_dir,
+                                  "files": mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else None}},
+        "outputs": {"adapter": {"path": adapter_dir.as_posix(), "sha256": mf.tree_digest(adapter_files),
+                                "files": adapter_files},
+                    "metrics_sha256": mf.sha256_file(out_dir / "metrics.json")},
+        "timing": {"wall_seconds": round(time.time() - started, 2), "train_seconds": round(train_seconds, 2),
+                   "tokens_per_second": round(tokens_seen / train_seconds, 1) if train_seconds else None,
+                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                   if device == "cuda" else None},
+    })
+    mf.write_json(out_dir / "manifest.json", record)
+    if not cfg.train.get("keep_checkpoints", False):
+        shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)
+    log.info("adapter %s (sha256 %s), final loss %.4f, %.1f tokens/s", adapter_dir,
+             record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"],
+             record["timing"]["tokens_per_second"] or 0)
+    return record
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Config composition: every preset composes, CLI overrides land, params.yaml is in sync with conf/."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reprotune.config import CONF_DIR, compose
+
+MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+METHODS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+HARDWARE = sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml"))
+
+
+def test_presets_exist() -> None:
+    assert {"smollm2_135m", "tiny_random", "qwen3_8b", "llama32_1b", "mistral_7b"} <= set(MODELS)
+    assert {"lora", "qlora", "dora"} <= set(METHODS)
+    assert {"auto", "cpu", "gpu"} <= set(HARDWARE)
+
+
+@pytest.mark.parametrize(("model", "method", "hardware"), list(itertools.product(MODELS, METHODS, HARDWARE)))
+def test_every_preset_composes(model: str, method: str, hardware: str) -> None:
+    cfg = compose([f"model={model}", f"method={method}", f"hardware={hardware}"])
+    assert cfg.model.name == model
+    assert cfg.method.name == method
+    assert cfg.train.report_to == "none"  # privacy by default
+    # every value resolves (no dangling interpolation)
+    from omegaconf import OmegaConf
+
+    OmegaConf.to_container(cfg, resolve=True)
+    if method == "qlora":
+        assert cfg.method.load_in_4bit is True
+    if method == "dora":
+        assert cfg.method.use_dora is True
+
+
+def test_overrides_land() -> None:
+    cfg = compose(["method=qlora", "train.max_steps=20", "train.learning_rate=1e-4"])
+    assert cfg.train.max_steps == 20
+    assert cfg.train.learning_rate == 1e-4
+    assert cfg.method.load_in_4bit
+
+
+def test_default_is_builtin_model_and_invoice_data() -> None:
+    cfg = compose([])
+    assert cfg.model.name == "smollm2_135m" and cfg.model.source == "builtin"
+    assert cfg.data.name == "invoices"
+
+
+def test_params_yaml_in_sync_with_conf(tmp_path: Path) -> None:
+    """params.yaml (what DVC tracks) must be what 'make params' writes from conf/ now."""
+    from reprotune.config import dump_params
+
+    fresh = tmp_path / "params.yaml"
+    dump_params([], fresh)
+    committed = Path("params.yaml")
+    assert yaml.safe_load(committed.read_text()) == yaml.safe_load(fresh.read_text()), \
+        "params.yaml is stale: run 'make params' and commit it"
+
+
+def test_training_template_renders_like_the_model_template() -> None:
+    """The {% generation %} markers must not change the text the model is trained on."""
+    from transformers import AutoTokenizer
+
+    from reprotune.models import resolve_model_dir
+
+    cfg = compose([])
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model, cfg.paths.model_cache))
+    training = (Path(cfg.model.training_chat_template)).read_text()
+    conversations = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+    ]
+    for conv in conversations:
+        for gen in (False, True):
+            msgs = conv[:-1] if gen else conv
+            assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) == \
+                tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, chat_template=training)
+    # and the assistant mask covers the reply and its end-of-turn token only
+    out = tok.apply_chat_template(conversations[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                  chat_template=training)
+    ids = [i for i, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
+    assert tok.decode(ids) == "Yo<|im_end|>"

@@ -1,0 +1,118 @@
+"""Train stage on the tiny random model: outputs, manifest, privacy, determinism, loud failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reprotune.config import compose
+from reprotune.manifest import sha256_tree, tree_digest
+from reprotune.train import train
+
+from .conftest import TINY_TRAIN
+
+FAKE_SECRET = "hf_FAKEsecretTOKEN1234567890"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    import os
+
+    from reprotune.invoices import generate
+
+    from .conftest import write_jsonl
+
+    root = tmp_path_factory.mktemp("tiny")
+    write_jsonl(root / "data/prepared/train.jsonl", generate(32, seed=7))
+    os.environ["HF_TOKEN"] = FAKE_SECRET
+    os.environ["WANDB_API_KEY"] = "wandbFAKEkey0987654321"
+    try:
+        record = train(compose([*TINY_TRAIN, f"paths.root={root}"]))
+    finally:
+        os.environ.pop("HF_TOKEN")
+        os.environ.pop("WANDB_API_KEY")
+    return root, record
+
+
+def test_outputs_at_fixed_paths(tiny_run: tuple[Path, dict]) -> None:
+    root, _ = tiny_run
+    adapter = root / "outputs/adapter"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "chat_template.jinja",
+                 "README.md"):
+        assert (adapter / name).is_file(), name
+    assert "<|im_start|>" in (adapter / "chat_template.jinja").read_text()
+    assert "{% generation %}" not in (adapter / "chat_template.jinja").read_text()  # inference template
+    for name in ("metrics.json", "loss.png", "manifest.json"):
+        assert (root / "outputs/train" / name).is_file(), name
+    assert (root / "outputs/train/loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (root / "outputs/checkpoints").exists()  # a finished run leaves no checkpoints to resume
+
+
+def test_metrics_and_manifest(tiny_run: tuple[Path, dict]) -> None:
+    root, record = tiny_run
+    metrics = json.loads((root / "outputs/train/metrics.json").read_text())
+    assert metrics["global_step"] == 3
+    assert len(metrics["train_loss_curve"]) == 3
+    assert metrics["assistant_tokens"] > 0 and metrics["tokens_seen"] > metrics["train_examples"]
+    manifest = json.loads((root / "outputs/train/manifest.json").read_text())
+    assert manifest["config"]["model"]["name"] == "tiny_random"
+    assert manifest["config"]["train"]["report_to"] == "none"
+    assert set(manifest["git"]) == {"commit", "dirty"}
+    assert len(manifest["lock"]["sha256"]) == 64
+    assert manifest["packages"]["key"]["trl"] and manifest["packages"]["key"]["peft"]
+    assert manifest["runtime"]["python"] and manifest["runtime"]["torch"].startswith("2.13.0")
+    assert manifest["hardware"]["cpu_count"] >= 1 and manifest["device"] == "cpu"
+    assert manifest["seeds"]["seed"] == 42
+    assert len(manifest["inputs"]["train_data"]["sha256"]) == 64
+    adapter_files = sha256_tree(root / "outputs/adapter")
+    assert manifest["outputs"]["adapter"]["sha256"] == tree_digest(adapter_files)
+    assert manifest["timing"]["tokens_per_second"] > 0 and manifest["timing"]["wall_seconds"] > 0
+
+
+def test_no_secret_in_any_output(tiny_run: tuple[Path, dict]) -> None:
+    root, _ = tiny_run
+    for path in (root / "outputs").rglob("*"):
+        if path.is_file():
+            blob = path.read_bytes()
+            assert FAKE_SECRET.encode() not in blob, path
+            assert b"wandbFAKEkey0987654321" not in blob, path
+
+
+def test_two_runs_give_byte_identical_adapters(tiny_run: tuple[Path, dict], tmp_path: Path) -> None:
+    from reprotune.invoices import generate
+
+    from .conftest import write_jsonl
+
+    root, record = tiny_run
+    write_jsonl(tmp_path / "data/prepared/train.jsonl", generate(32, seed=7))
+    again = train(compose([*TINY_TRAIN, f"paths.root={tmp_path}"]))
+    assert again["outputs"]["adapter"]["files"] == record["outputs"]["adapter"]["files"]
+    assert (tmp_path / "outputs/train/metrics.json").read_bytes() == (root / "outputs/train/metrics.json").read_bytes()
+
+
+def test_empty_loss_mask_fails_loudly(workspace: tuple[Path, list[str]], tmp_path: Path) -> None:
+    # a "training" template whose generation block is empty: no token would ever be learned
+    template = tmp_path / "empty_mask.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% generation %}{% endgeneration %}{% endfor %}")
+    root, overrides = workspace
+    with pytest.raises((RuntimeError, SystemExit), match="assistant"):
+        train(compose([*TINY_TRAIN, *overrides, f"model.training_chat_template={template}"]))
+    assert not (root / "outputs/adapter").exists()
+
+
+def test_missing_prepared_data_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="make prepare"):
+        train(compose([*TINY_TRAIN, f"paths.root={tmp_path}"]))
+
+
+@pytest.mark.parametrize("method", ["qlora", "dora"])
+def test_other_methods_train(method: str, workspace: tuple[Path, list[str]]) -> None:
+    root, overrides = workspace
+    record = train(compose([*TINY_TRAIN, *overrides, f"method={method}", "train.max_steps=2"]))
+    config = json.loads((root / "outputs/adapter/adapter_config.json").read_text())
+    assert config["use_dora"] is (method == "dora")
+    assert record["config"]["method"]["load_in_4bit"] is (method == "qlora")
