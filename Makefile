@@ -17,6 +17,8 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 export DO_NOT_TRACK := 1
 export PYTHONHASHSEED := 0
+# the project runs from this checkout's src/ (also in git worktrees that share one .venv)
+export PYTHONPATH := $(CURDIR)/src
 
 DATA := data/raw/invoices.jsonl
 
