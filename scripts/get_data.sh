@@ -18,6 +18,11 @@ if [ -d data/raw ] && [ -n "$(ls -A data/raw)" ] && [ ! -f data/raw/invoices.jso
   exit 1
 fi
 "$PY" -m reprotune.invoices --out data/raw/invoices.jsonl --n 600 --seed 1234
+# A fresh clone has an empty DVC cache ('not in cache' even when the bytes match): store the regenerated
+# data in the cache; if its hash differs from data.dvc, 'dvc commit' rewrites data.dvc, which we undo.
+cp data.dvc data.dvc.expected
+"$DVC" commit -q -f data.dvc
+if ! cmp -s data.dvc data.dvc.expected; then mv data.dvc.expected data.dvc; else rm data.dvc.expected; fi
 if ! up_to_date; then
   echo "data: regenerated data/raw does not match data.dvc (generator or environment changed):" >&2
   "$DVC" status data.dvc >&2

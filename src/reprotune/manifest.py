@@ -134,7 +134,7 @@ def runtime_state() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "container_image": os.environ.get("REPROTUNE_IMAGE_DIGEST"),
+        "container_image": container_image(),
     }
 
 
@@ -158,12 +158,44 @@ def redact(value: Any, secrets: Iterable[str] | None = None) -> Any:
     return walk(value)
 
 
+def code_state() -> dict[str, Any]:
+    """A digest of the project's own source (src/reprotune), so a dirty tree is still pinned down."""
+    src = Path(__file__).resolve().parent
+    files = {p.relative_to(src).as_posix(): sha256_file(p) for p in sorted(src.rglob("*.py"))}
+    return {"src_sha256": tree_digest(files)}
+
+
+def container_image() -> str | None:
+    """The image digest when running in a container (set by the image), else None."""
+    digest = os.environ.get("REPROTUNE_IMAGE_DIGEST")
+    if digest:
+        return digest
+    return "unknown (in a container, REPROTUNE_IMAGE_DIGEST unset)" if Path("/.dockerenv").exists() else None
+
+
+def path_record(path: Path, root: Path | None = None) -> dict[str, Any]:
+    """How a stage records one input or output: its path (relative to paths.root) and sha256.
+
+    A directory gets one digest over its files (tree_digest) plus the per-file digests. `make verify`
+    compares these records between a run and its re-run, so every stage should describe its inputs and
+    outputs with this function.
+    """
+    path = Path(path)
+    rel = os.path.relpath(path, root) if root is not None else path.as_posix()
+    rel = Path(rel).as_posix()
+    if path.is_dir():
+        files = sha256_tree(path)
+        return {"path": rel, "sha256": tree_digest(files), "files": files}
+    return {"path": rel, "sha256": sha256_file(path)}
+
+
 def base_manifest(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     return {
         "stage": stage,
         "reprotune_version": metadata.version("reprotune") if _installed("reprotune") else _src_version(),
         "config": config,
         "git": git_state(),
+        "code": code_state(),
         "lock": lock_state(),
         "packages": package_versions(),
         "runtime": runtime_state(),

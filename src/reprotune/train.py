@@ -175,7 +175,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool):
         logging_first_step=True,
         save_strategy="steps",
         save_steps=int(t.save_steps),
-        save_total_limit=int(t.save_total_limit),
+        save_total_limit=None,  # rotation happens after sealing (SealedCheckpointTrainer)
         eval_strategy="steps" if eval_steps else "no",
         eval_steps=eval_steps,
         seed=int(cfg.seed),
@@ -201,10 +201,89 @@ def config_fingerprint(cfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
-def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
-    """The last complete checkpoint of this same configuration, or None (stale ones are removed)."""
-    from transformers.trainer_utils import get_last_checkpoint
+# ------------------------------------------------------------------------------------------ checkpoints
+# HF Trainer writes checkpoint-N/ file by file; a kill -9 (or a pod eviction) mid-write leaves a torn
+# folder that get_last_checkpoint would happily resume from. We seal each checkpoint once the Trainer has
+# written it: fsync every file, then atomically write a marker listing every file's sha256. Only sealed
+# checkpoints whose files still match their marker are resumed; anything else is removed. Rotation
+# (save_total_limit) is ours too, and runs only after the new checkpoint is sealed, so a crash at any
+# moment leaves at least the previous good checkpoint on disk.
+CHECKPOINT_SEAL = "reprotune-sealed.json"
 
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal_checkpoint(folder: Path, step: int) -> None:
+    """Make a fully written checkpoint folder resumable (atomic: the seal appears last, all at once)."""
+    from reprotune.manifest import sha256_tree
+
+    files = sha256_tree(folder, exclude=[CHECKPOINT_SEAL])
+    for rel in files:
+        _fsync(folder / rel)
+    tmp = folder / (CHECKPOINT_SEAL + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
+    _fsync(tmp)
+    os.replace(tmp, folder / CHECKPOINT_SEAL)
+    _fsync(folder)
+
+
+def is_sealed(folder: Path) -> bool:
+    """True when the folder holds a seal and every file it lists is present with the same sha256."""
+    from reprotune.manifest import sha256_file
+
+    seal = folder / CHECKPOINT_SEAL
+    try:
+        files = json.loads(seal.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(files) and all((folder / rel).is_file() and sha256_file(folder / rel) == digest
+                               for rel, digest in files.items())
+
+
+def _checkpoint_step(folder: Path) -> int:
+    return int(folder.name.rsplit("-", 1)[1]) if folder.name.rsplit("-", 1)[-1].isdigit() else -1
+
+
+def good_checkpoints(ckpt_root: Path, remove_torn: bool = True) -> list[Path]:
+    """Sealed checkpoints, oldest first; torn ones (no seal, or files that changed) are removed."""
+    good = []
+    for folder in sorted(ckpt_root.glob("checkpoint-*"), key=_checkpoint_step):
+        if folder.is_dir() and _checkpoint_step(folder) >= 0 and is_sealed(folder):
+            good.append(folder)
+        elif remove_torn:
+            log.warning("removing torn checkpoint %s (interrupted while being written)", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    return good
+
+
+def sealing_trainer_class():
+    """SFTTrainer whose checkpoints are sealed (see above) and rotated only after sealing."""
+    from trl import SFTTrainer
+
+    class SealedCheckpointTrainer(SFTTrainer):
+        keep_checkpoints: int | None = None
+
+        def _save_checkpoint(self, model, trial) -> None:
+            super()._save_checkpoint(model, trial)
+            if not self.args.should_save:
+                return
+            ckpt_root = Path(self.args.output_dir)
+            seal_checkpoint(ckpt_root / f"checkpoint-{self.state.global_step}", self.state.global_step)
+            if self.keep_checkpoints:
+                for old in good_checkpoints(ckpt_root)[:-self.keep_checkpoints]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    return SealedCheckpointTrainer
+
+
+def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
+    """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed)."""
     ckpt_root = Path(cfg.paths.checkpoints)
     stamp = ckpt_root / "reprotune-run.json"
     if cfg.train.resume == "never" or not ckpt_root.is_dir():
@@ -215,10 +294,11 @@ def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
         log.info("discarding checkpoints of a different configuration in %s", ckpt_root)
         shutil.rmtree(ckpt_root, ignore_errors=True)
         return None
-    last = get_last_checkpoint(str(ckpt_root))
-    if last:
-        log.info("resuming from %s", last)
-    return last
+    good = good_checkpoints(ckpt_root)
+    if good:
+        log.info("resuming from %s", good[-1])
+        return str(good[-1])
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -226,6 +306,20 @@ def loss_curves(log_history: list[dict]) -> dict[str, list]:
     train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
     evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h]
     return {"train": train, "eval": evals}
+
+
+def mean_loss(curve: list[tuple[int, float]]) -> float:
+    """Mean per-step loss from the logged curve (each point averages the steps since the previous one).
+
+    Computed from the log history, which a resumed run restores from its checkpoint, so a resumed run
+    reports exactly what an uninterrupted one does (the Trainer's own training_loss only covers the
+    steps since the resume).
+    """
+    total, previous = 0.0, 0
+    for step, loss in curve:
+        total += loss * (step - previous)
+        previous = step
+    return total / previous if previous else math.nan
 
 
 def plot_loss(curves: dict[str, list], out: Path) -> None:
@@ -289,7 +383,6 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
 def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from trl import SFTTrainer
 
     from reprotune import manifest as mf
     from reprotune.models import resolve_model_dir
@@ -316,7 +409,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
     mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
 
-    trainer = SFTTrainer(
+    trainer = sealing_trainer_class()(
         model=model,
         args=sft_config(cfg, device, dtype, bool(val_rows)),
         train_dataset=Dataset.from_list(rows),
@@ -328,13 +421,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     masked = sum(sum(1 for t in ex["labels"] if t != -100) for ex in trainer.train_dataset)
     if masked == 0:
         raise SystemExit("train: the loss mask is empty: no assistant tokens to learn from (check the chat template)")
+    trainer.keep_checkpoints = int(cfg.train.save_total_limit) if cfg.train.save_total_limit else None
     trainable, total = trainer.model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    tokens_before = 0  # tokens/s covers what this process trained, also after a resume
+    if resume_from and (Path(resume_from) / "trainer_state.json").is_file():
+        tokens_before = int(json.loads((Path(resume_from) / "trainer_state.json").read_text())
+                            .get("num_input_tokens_seen", 0))
     train_started = time.time()
-    result = trainer.train(resume_from_checkpoint=resume_from)
+    trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
 
     curves = loss_curves(trainer.state.log_history)
@@ -342,7 +440,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics = {
         "global_step": int(trainer.state.global_step),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
-        "mean_train_loss": float(result.training_loss),
+        "mean_train_loss": mean_loss(curves["train"]),
         "train_loss_curve": curves["train"],
         "eval_loss_curve": curves["eval"],
         "train_examples": len(rows),
@@ -358,21 +456,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: no timings in here
     plot_loss(curves, out_dir / "loss.png")
 
-    adapter_files = mf.sha256_tree(adapter_dir)
+    root = Path(cfg.paths.root)
     record = mf.base_manifest("train", OmegaConf.to_container(cfg, resolve=True))
+    model_files = mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else {}
     record.update({
         "seeds": {"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
+        "determinism": {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                        "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
         "device": device,
         "dtype": dtype,
         "resumed_from": resume_from,
-        "inputs": {"train_data": {"path": train_file.as_posix(), "sha256": mf.sha256_file(train_file)},
-                   "base_model": {"path": model_dir,
-                                  "files": mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else None}},
-        "outputs": {"adapter": {"path": adapter_dir.as_posix(), "sha256": mf.tree_digest(adapter_files),
-                                "files": adapter_files},
-                    "metrics_sha256": mf.sha256_file(out_dir / "metrics.json")},
+        "inputs": {"train_data": mf.path_record(train_file, root),
+                   "base_model": {"path": model_dir, "sha256": mf.tree_digest(model_files), "files": model_files}},
+        "outputs": {"adapter": mf.path_record(adapter_dir, root),
+                    "metrics": mf.path_record(out_dir / "metrics.json", root),
+                    "loss_plot": mf.path_record(out_dir / "loss.png", root)},
         "timing": {"wall_seconds": round(time.time() - started, 2), "train_seconds": round(train_seconds, 2),
-                   "tokens_per_second": round(tokens_seen / train_seconds, 1) if train_seconds else None,
+                   "tokens_per_second": round((tokens_seen - tokens_before) / train_seconds, 1)
+                   if train_seconds else None,
                    "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                    if device == "cuda" else None},
     })
