@@ -63,3 +63,33 @@ lint: venv ## ruff
 .PHONY: clean
 clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and raw data)
 	rm -rf outputs data/prepared
+
+# ---------------------------------------------------------------------------------------- reproducibility
+DVC := $(VENV)/bin/dvc
+# dvc.yaml's stage commands run 'python': the venv's
+DVC_ENV := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
+RUN ?=
+
+.PHONY: params
+params: venv ## Compose conf/ (+ ARGS overrides) into params.yaml, the config DVC tracks
+	$(PY) -m reprotune.config $(ARGS)
+
+.PHONY: repro
+repro: data params ## The whole pipeline through DVC: make params ARGS=..., then dvc repro (skips what is up to date)
+	$(DVC_ENV) $(DVC) repro
+
+.PHONY: all
+all: repro ## Same as make repro
+
+.PHONY: push
+push: venv ## Upload data and outputs (adapters, manifests) to the default DVC remote (dvc push)
+	$(DVC) push $(ARGS)
+
+.PHONY: pull
+pull: venv ## Download data and outputs of the checked-out revision from the DVC remote (dvc pull)
+	$(DVC) pull $(ARGS)
+
+.PHONY: verify
+verify: venv ## Re-run a recorded run in a temp dir and compare bytes: RUN=<manifest.json or git rev>
+	@test -n "$(RUN)" || { echo "usage: make verify RUN=outputs/train/manifest.json (or a git revision)" >&2; exit 2; }
+	$(PY) -m reprotune.verify $(RUN) $(ARGS)

@@ -48,6 +48,23 @@ def write_jsonl(rows: list[dict], out: Path) -> None:
     os.replace(tmp, out)
 
 
+def write_manifest(cfg: DictConfig, out: Path) -> None:
+    """Inputs and outputs with their hashes, so 'make verify' can re-run and compare this stage."""
+    from omegaconf import OmegaConf
+
+    from reprotune import manifest as mf
+
+    root = Path(cfg.paths.root)
+    record = mf.base_manifest("prepare", OmegaConf.to_container(cfg, resolve=True))
+    record.update({
+        "manifest_path": os.path.relpath(out / "manifest.json", root),
+        "inputs": {"raw_data": mf.path_record(Path(cfg.data.path), root)},
+        "outputs": {"train": mf.path_record(out / "train.jsonl", root),
+                    "holdout": mf.path_record(out / "holdout.jsonl", root)},
+    })
+    mf.write_json(out / "manifest.json", record)
+
+
 def prepare(cfg: DictConfig) -> dict:
     examples = read_chat_jsonl(Path(cfg.data.path))
     train = [e for e in examples if not in_holdout(e, cfg.data.holdout_fraction)]
@@ -55,6 +72,7 @@ def prepare(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.prepared)
     write_jsonl(holdout, out / "holdout.jsonl")
     write_jsonl(train, out / "train.jsonl")
+    write_manifest(cfg, out)
     log.info("prepared %d train and %d holdout examples in %s", len(train), len(holdout), out)
     return {"train": len(train), "holdout": len(holdout)}
 

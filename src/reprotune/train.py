@@ -460,6 +460,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     record = mf.base_manifest("train", OmegaConf.to_container(cfg, resolve=True))
     model_files = mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else {}
     record.update({
+        "manifest_path": os.path.relpath(out_dir / "manifest.json", root),
         "seeds": {"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
         "determinism": {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -468,7 +469,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "dtype": dtype,
         "resumed_from": resume_from,
         "inputs": {"train_data": mf.path_record(train_file, root),
-                   "base_model": {"path": model_dir, "sha256": mf.tree_digest(model_files), "files": model_files}},
+                   # outside the run (a shared cache): an absolute path, used in place by 'make verify'
+                   "base_model": {"path": str(Path(model_dir).resolve()), "sha256": mf.tree_digest(model_files),
+                                  "files": model_files}},
         "outputs": {"adapter": mf.path_record(adapter_dir, root),
                     "metrics": mf.path_record(out_dir / "metrics.json", root),
                     "loss_plot": mf.path_record(out_dir / "loss.png", root)},
