@@ -39,7 +39,10 @@ class VerifyError(Exception):
 
 # ------------------------------------------------------------------------------- what a manifest records
 def _config_without_paths(m: dict) -> dict:
-    return {k: v for k, v in m.get("config", {}).items() if k != "paths"}
+    """The config minus where the run happened (paths, and values resolved under paths.root)."""
+    config = m.get("config", {})
+    root = str(config.get("paths", {}).get("root", ".")).rstrip("/") or "/"
+    return {k: _reroot_strings(v, root, Path("<root>")) for k, v in config.items() if k != "paths"}
 
 
 # Each category maps a manifest to the values that, when they change, may change the outputs.
@@ -140,6 +143,16 @@ def rerooted_paths(paths: dict[str, Any], old_root: str, new_root: Path) -> dict
     return out
 
 
+def _reroot_strings(node: Any, old_root: str, new_root: Path) -> Any:
+    if isinstance(node, dict):
+        return {k: _reroot_strings(v, old_root, new_root) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_reroot_strings(v, old_root, new_root) for v in node]
+    if isinstance(node, str) and (node == old_root or node.startswith(old_root + "/")):
+        return str(new_root) + node[len(old_root):]
+    return node
+
+
 def copy_inputs(manifest: dict, root: Path, tmp: Path) -> None:
     for name, rec in manifest.get("inputs", {}).items():
         rel = rec.get("path")
@@ -158,7 +171,10 @@ def copy_inputs(manifest: dict, root: Path, tmp: Path) -> None:
 def rerun_stage(manifest: dict, root: Path, tmp: Path, overrides: list[str]) -> dict:
     """Run the recorded stage with the recorded config (outputs re-rooted to tmp); return its new manifest."""
     config = json.loads(json.dumps(manifest["config"]))
-    config["paths"] = rerooted_paths(config["paths"], config["paths"]["root"], tmp)
+    old_root = str(config["paths"]["root"]).rstrip("/") or "/"
+    paths = rerooted_paths(config["paths"], old_root, tmp)
+    config = _reroot_strings(config, old_root, tmp)  # resolved values such as data.path=<root>/data/raw/...
+    config["paths"] = paths
     copy_inputs(manifest, root, tmp)
     primary = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
                "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **config}
