@@ -22,7 +22,7 @@ from .conftest import REPO, TINY_TRAIN, write_jsonl
 
 
 def stage(name: str, root: Path, *overrides: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONHASHSEED": "random"}  # verify re-runs with another
     proc = subprocess.run([sys.executable, "-m", f"reprotune.{name}", *overrides, f"paths.root={root}"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

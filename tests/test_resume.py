@@ -32,8 +32,10 @@ def train_cmd(root: Path) -> list[str]:
     return [sys.executable, "-m", "reprotune.train", *RUN, f"paths.root={root}"]
 
 
-def stage_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+def stage_env(hash_seed: int = 0) -> dict[str, str]:
+    # each process gets another str-hash seed: outputs must not depend on set/dict-of-str iteration order
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONHASHSEED": str(hash_seed),
+            "TOKENIZERS_PARALLELISM": "false"}
 
 
 def make_root(root: Path) -> Path:
@@ -79,7 +81,7 @@ def test_kill_9_then_rerun_is_byte_identical(uninterrupted: tuple[Path, dict], t
     root = make_root(tmp_path)
     ckpts = root / "outputs/checkpoints"
     kill_after = random.choice([2, 4])  # a random checkpoint, then a random moment in the steps after it
-    proc = subprocess.Popen(train_cmd(root), env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(train_cmd(root), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_sealed(ckpts, kill_after, proc)
     time.sleep(random.uniform(0.0, 0.5))
     os.kill(proc.pid, signal.SIGKILL)
@@ -88,7 +90,7 @@ def test_kill_9_then_rerun_is_byte_identical(uninterrupted: tuple[Path, dict], t
     assert not (root / "outputs/adapter").exists()
     fakes = add_torn_checkpoints(ckpts)
 
-    rerun = subprocess.run(train_cmd(root), env=stage_env(), capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(train_cmd(root), env=stage_env(2), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = json.loads((root / "outputs/train/manifest.json").read_text())
     assert resumed["resumed_from"], "the rerun did not resume from a checkpoint"

@@ -359,11 +359,21 @@ Load with PEFT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
     (adapter_dir / "README.md").write_text(text)
 
 
+def canonical_peft_config(model) -> None:
+    """PEFT keeps target_modules as a set and writes it in hash order, so adapter_config.json changed with
+    PYTHONHASHSEED from one process to the next: sort every set-valued field so the bytes do not."""
+    for config in model.peft_config.values():
+        for key, value in vars(config).items():
+            if isinstance(value, set | frozenset):
+                setattr(config, key, sorted(value))
+
+
 def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None) -> Path:
     """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
     final = Path(cfg.paths.adapter)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    canonical_peft_config(trainer.model)
     trainer.model.save_pretrained(tmp)
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).

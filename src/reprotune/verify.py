@@ -47,8 +47,8 @@ def _config_without_paths(m: dict) -> dict:
 
 # Each category maps a manifest to the values that, when they change, may change the outputs.
 CATEGORIES: dict[str, Any] = {
-    "code": lambda m: {"git_commit": m.get("git", {}).get("commit"), "git_dirty": m.get("git", {}).get("dirty"),
-                       "src_sha256": m.get("code", {}).get("src_sha256")},
+    # the source digest, not the git commit: a run is recorded before the commit that records it
+    "code": lambda m: {"src_sha256": m.get("code", {}).get("src_sha256") or m.get("git", {}).get("commit")},
     "lock": lambda m: {"lockfile": m.get("lock", {}).get("sha256"), "variant": m.get("lock", {}).get("variant"),
                        "installed_packages": m.get("packages", {}).get("all_sha256")},
     "data": lambda m: {name: rec.get("sha256") for name, rec in m.get("inputs", {}).items()},
@@ -179,7 +179,7 @@ def rerun_stage(manifest: dict, root: Path, tmp: Path, overrides: list[str]) -> 
     primary = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
                "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **config}
     (tmp / "verify-config.yaml").write_text(yaml.safe_dump(primary, sort_keys=False))
-    env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", f"reprotune.{manifest['stage']}", "--config-dir", str(tmp),
            "--config-name", "verify-config", *overrides]
