@@ -16,19 +16,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from reprotune.manifest import sha256_file
+
 log = logging.getLogger(__name__)
 
 
 class ModelSourceError(RuntimeError):
     """The configured model cannot be found or does not match its recorded checksum."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def builtin_gguf_path(package: str, filename: str) -> Path:
