@@ -162,16 +162,16 @@ def detect_record_format(record: Any) -> str | None:
     return None
 
 
-def _check_keys(record: dict, fmt: str, line: int, problems: _Problems) -> bool:
+def _check_keys(record: dict, fmt: str, line: int, problems: _Problems) -> tuple[bool, bool]:
+    """(all required keys present, no unknown keys); both are reported."""
     required, optional = RECORD_KEYS[fmt]
-    ok = True
-    for key in sorted(required - record.keys()):
-        problems.add(line, key, f"missing (a {fmt} record needs {', '.join(sorted(required))})")
-        ok = False
-    for key in sorted(record.keys() - required - optional):
+    missing = sorted(required - record.keys())
+    unknown = sorted(record.keys() - required - optional)
+    for key in missing:
+        problems.add(line, key, f"missing (required in {fmt} records: {', '.join(sorted(required))})")
+    for key in unknown:
         problems.add(line, key, f"unknown key for a {fmt} record (allowed: {', '.join(sorted(required | optional))})")
-        ok = False
-    return ok
+    return not missing, not unknown
 
 
 def _check_text(value: Any, line: int, fld: str, problems: _Problems, allow_empty: bool = False) -> bool:
@@ -269,8 +269,14 @@ def _pair(record: dict, line: int, problems: _Problems, prompt_keys: tuple[str, 
 
 def to_messages(record: dict, fmt: str, line: int, problems: _Problems) -> list[dict[str, str]] | None:
     """Validate one record of a known format and convert it to canonical messages (None if invalid)."""
-    if not _check_keys(record, fmt, line, problems):
+    complete, known = _check_keys(record, fmt, line, problems)
+    if not complete:
         return None
+    messages = _convert(record, fmt, line, problems)  # still checked with unknown keys: report everything
+    return messages if known else None
+
+
+def _convert(record: dict, fmt: str, line: int, problems: _Problems) -> list[dict[str, str]] | None:
     if fmt == "chat":
         return _turns(record, line, problems, "messages", "role", "content", {r: r for r in ROLES})
     if fmt == "sharegpt":
@@ -322,7 +328,7 @@ def read_file(path: Path, forced: str = "auto") -> FileResult:
             record_format, first_line_of_format = fmt, line
         elif fmt != record_format:
             origin = f"line {first_line_of_format}" if first_line_of_format else f"data.format={forced}"
-            problems.add(line, "(keys)", f"mixed formats in one file: this is a {fmt} record, but {origin} "
+            problems.add(line, "(keys)", f"mixed formats in one file: this record is {fmt}, but {origin} "
                                          f"made the file {record_format}")
             continue
         messages = to_messages(record, fmt, line, problems)

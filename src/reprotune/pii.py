@@ -245,7 +245,6 @@ class Finding:
     entity: str
     start: int
     end: int
-    replacement: str | None = None  # set for URL credentials (only the secret parts are replaced)
 
 
 def _url_with_credentials(text: str, start: int, end: int) -> tuple[int, str] | None:
