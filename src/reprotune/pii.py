@@ -53,8 +53,10 @@ ORG_WORDS = {
     "s.a.", "sl", "s.l.", "sarl", "sas", "bv", "b.v.", "nv", "n.v.", "ab", "aps", "as", "oy", "kk", "k.k.", "sp.",
     "s.p.a.", "spa", "srl", "s.r.l.", "lda", "group", "partners", "holdings", "company", "services", "solutions",
     "consulting", "software", "systems", "design", "media", "logistics", "industries", "international", "bank",
-    "&", "und", "y", "et", "e", "and",
+    "sons", "synowie", "brothers", "bros", "hijos", "fils", "söhne",
 }
+# "Smith & Sons", "Kowalski i Synowie": a connector right after the span, then a capitalised word
+CONNECTORS = {"&", "and", "und", "y", "i", "et", "e"}
 CALENDAR_WORDS = {
     "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "january",
     "february", "march", "april", "june", "july", "august", "september", "october", "november", "december",
@@ -165,8 +167,10 @@ def _make_person_recognizer(model_name: str) -> Any:
                     return None  # digits, codes (JPY, x3), lower-case words: not a name
             if tokens[0].text not in self.names:
                 return None
-            following = [t.lower_ for t in doc[ent.end:ent.end + 3]]
-            if any(t.lower_ in ORG_WORDS for t in tokens) or any(w in ORG_WORDS for w in following):
+            following = list(doc[ent.end:ent.end + 3])
+            if any(t.lower_ in ORG_WORDS for t in tokens) or any(t.lower_ in ORG_WORDS for t in following):
+                return None
+            if len(following) > 1 and following[0].lower_ in CONNECTORS and following[1].text[:1].isupper():
                 return None
             if len(tokens) == 1:
                 first = tokens[0]
