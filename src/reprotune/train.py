@@ -265,12 +265,24 @@ Load with PEFT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
     (adapter_dir / "README.md").write_text(text)
 
 
+def canonicalise_adapter_config(adapter_dir: Path) -> None:
+    """PEFT stores target_modules from a Python set, so its order follows the per-process string hash seed:
+    sort it, or two identical runs write different adapter_config.json bytes."""
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    for key in ("target_modules", "modules_to_save", "exclude_modules"):
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None) -> Path:
     """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
     final = Path(cfg.paths.adapter)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.model.save_pretrained(tmp)
+    canonicalise_adapter_config(tmp)
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
     tokenizer.chat_template = original_template
