@@ -154,3 +154,22 @@ def test_names_in_prose(scrubber: Scrubber) -> None:
         assert name not in conv[0]["content"]
     assert "Mr. " in conv[0]["content"] and "Dear " in conv[0]["content"]
     assert report.values["PERSON"] == 3
+
+
+def test_ascii_escaped_json_answer_is_replaced_too(scrubber: Scrubber) -> None:
+    answer = json.dumps({"contact": "María García", "phone": "+34 612 345 678"})  # ensure_ascii: Mar\u00eda
+    convs = [[{"role": "user", "content": "Contact María García on +34 612 345 678 about invoice F00123."},
+              {"role": "assistant", "content": answer}]]
+    (conv,), _ = scrubber.scrub(convs)
+    fields = json.loads(conv[1]["content"])
+    assert fields["contact"] != "María García" and "Garc" not in conv[1]["content"]
+    assert f"Contact {fields['contact']} on {fields['phone']} about invoice F00123." == conv[0]["content"]
+
+
+def test_a_lone_first_name_is_replaced_only_where_it_was_found(scrubber: Scrubber) -> None:
+    convs = [[{"role": "user", "content": "Thanks again, Dear Laura, for the quick reply."}, {"role": "assistant", "content": "ok"}],
+             [{"role": "user", "content": "Laura\nOrder 12"}, {"role": "assistant", "content": "Laura"}]]
+    out, report = scrubber.scrub(convs)
+    assert "Laura" not in out[0][0]["content"]
+    assert out[1] == convs[1]  # a line-initial "Laura" is not detected there, and is not rewritten either
+    assert report.replacements["PERSON"] == 1

@@ -14,6 +14,7 @@ Only counts leave this module for the report (`ScrubReport`), never an original 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -23,7 +24,6 @@ import string
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -64,6 +64,7 @@ CALENDAR_WORDS = {
 }
 TITLES = {"mr", "mr.", "mrs", "mrs.", "ms", "ms.", "dr", "dr.", "prof", "prof.", "sr", "sr.", "sra", "sra.",
           "herr", "frau", "mme", "m."}
+SALUTATIONS = {"dear", "hi", "hello", "hey", "attn", "attn.", "thanks", "cc"}
 # Faker locales whose given names are written in Latin script (the NER model reads English text)
 NAME_LOCALES = ("en_US", "en_GB", "en_IE", "en_IN", "es_ES", "es_MX", "de_DE", "fr_FR", "it_IT", "pt_PT",
                 "pt_BR", "nl_NL", "pl_PL", "sv_SE", "da_DK", "no_NO", "fi_FI", "cs_CZ", "ro_RO", "tr_TR",
@@ -74,9 +75,7 @@ class ScrubberUnavailable(RuntimeError):
     """The pinned name-detection model is missing (it comes with the locked dependencies)."""
 
 
-@cache
-def given_names() -> frozenset[str]:
-    """Given names from Faker's person providers: the gate that keeps NER from tagging companies as people."""
+def _faker_names(attrs: tuple[str, ...]) -> frozenset[str]:
     import importlib
 
     names: set[str] = set()
@@ -85,13 +84,24 @@ def given_names() -> frozenset[str]:
             provider = importlib.import_module(f"faker.providers.person.{locale}").Provider
         except ModuleNotFoundError:
             continue
-        for attr in ("first_names", "first_names_male", "first_names_female", "first_names_nonbinary"):
+        for attr in attrs:
             values = getattr(provider, attr, ())
-            names.update(v for v in values if isinstance(v, str) and v.isalpha() and len(v) > 1)
+            names.update(v for v in values if isinstance(v, str) and v.isalpha() and len(v) > 1 and v[0].isupper())
     return frozenset(names)
 
 
-@cache
+@functools.cache
+def given_names() -> frozenset[str]:
+    """Given names from Faker's person providers: the gate that keeps NER from tagging companies as people."""
+    return _faker_names(("first_names", "first_names_male", "first_names_female", "first_names_nonbinary"))
+
+
+@functools.cache
+def surnames() -> frozenset[str]:
+    return _faker_names(("last_names", "last_names_male", "last_names_female"))
+
+
+@functools.cache
 def _load_ner(model_name: str) -> Any:
     """The pinned spaCy pipeline with only its NER (it has its own tok2vec): 3-4x faster than the full one."""
     import spacy
@@ -124,6 +134,7 @@ def _make_person_recognizer(model_name: str) -> Any:
         def load(self) -> None:
             self.nlp = _load_ner(model_name)
             self.names = given_names()
+            self.surnames = surnames()
             self.word = re.compile(r"[^\W\d_]+")
 
         def analyze(self, text: str, entities: list[str], nlp_artifacts: Any = None) -> list:
@@ -131,15 +142,14 @@ def _make_person_recognizer(model_name: str) -> Any:
                 return []
             doc = self.nlp(text)
             orgs = [(e.start_char, e.end_char) for e in doc.ents if e.label_ == "ORG"]
-            results = []
-            for ent in doc.ents:
-                if ent.label_ != "PERSON":
-                    continue
-                span = self._person_span(doc, ent)
-                if span is None or any(s < span[1] and span[0] < e for s, e in orgs):
-                    continue
-                results.append(RecognizerResult("PERSON", span[0], span[1], 0.85))
-            return results
+            spans = [self._person_span(doc, ent) for ent in doc.ents if ent.label_ == "PERSON"]
+            # The small model misses many names in terse business text ("Contact: María García, +34 ...");
+            # a known given name followed by a known surname is a name too (both from Faker's lists).
+            spans += [(t.idx, nxt.idx + len(nxt.text)) for t, nxt in zip(doc, doc[1:], strict=False)
+                      if t.text in self.names and nxt.text in self.surnames and t.whitespace_ == " "
+                      and self._person_span(doc, doc[t.i:nxt.i + 1]) is not None]
+            return [RecognizerResult("PERSON", start, end, 0.85) for start, end in sorted(set(filter(None, spans)))
+                    if not any(s < end and start < e for s, e in orgs)]
 
         def _may_have_name(self, text: str) -> bool:
             """Cheap gate before the NER: a known given name that could pass _person_span's rules (most
@@ -156,7 +166,7 @@ def _make_person_recognizer(model_name: str) -> Any:
 
         def _person_span(self, doc: Any, ent: Any) -> tuple[int, int] | None:
             tokens = [t for t in ent if not t.is_space]
-            while tokens and tokens[0].lower_ in TITLES:
+            while tokens and (tokens[0].lower_ in TITLES or tokens[0].lower_ in SALUTATIONS):
                 tokens = tokens[1:]
             if not tokens or len(tokens) > 4 or "\n" in ent.text:
                 return None
@@ -516,42 +526,48 @@ class Scrubber:
     def scrub(self, conversations: list[list[dict[str, str]]], progress: Any = None) -> tuple[list, ScrubReport]:
         report = ScrubReport(searched=tuple(sorted(self.entities)))
         found: dict[str, str] = {}  # original value -> entity (first type wins)
-        texts = {m["content"] for conv in conversations for m in conv}
-        for text in progress(sorted(texts)) if progress else sorted(texts):  # each distinct text once
+        in_text: dict[str, set[str]] = {}  # text -> values found in it
+        texts = sorted({m["content"] for conv in conversations for m in conv})
+        for text in progress(texts) if progress else texts:  # each distinct text once (system prompts repeat)
+            in_text[text] = set()
             for f in detect(self.analyzer, text, self.entities):
-                found.setdefault(text[f.start:f.end], f.entity)
+                value = text[f.start:f.end]
+                found.setdefault(value, f.entity)
+                in_text[text].add(value)
         if not found:
             return conversations, report
         report.values.update(found.values())
         pattern, lookup = self._pattern(found)
         out = []
         for conv in conversations:
-            changed = False
-            new_conv = []
-            for msg in conv:
-                def sub(match: re.Match) -> str:
-                    value, escaped = lookup[match.group(0)]
-                    entity = found[value]
-                    report.replacements[entity] += 1
-                    fake = self.replace(entity, value)
-                    return json.dumps(fake, ensure_ascii=False)[1:-1] if escaped else fake
-
-                content = pattern.sub(sub, msg["content"])
-                changed |= content != msg["content"]
-                new_conv.append({**msg, "content": content})
-            report.examples_changed += changed
+            sub = functools.partial(self._sub, lookup=lookup, found=found, report=report,
+                                    here=set().union(*(in_text[m["content"]] for m in conv)))
+            new_conv = [{**m, "content": pattern.sub(sub, m["content"])} for m in conv]
+            report.examples_changed += new_conv != conv
             out.append(new_conv)
         return out, report
 
+    def _sub(self, match: re.Match, lookup: dict[str, tuple[str, str]], found: dict[str, str], here: set[str],
+             report: ScrubReport) -> str:
+        value, spelling = lookup[match.group(0)]
+        entity = found[value]
+        if entity == "PERSON" and " " not in value and value not in here:
+            # a lone first name found elsewhere ("Dear Bill,") is no reason to rewrite "Bill from ..." here
+            return match.group(0)
+        report.replacements[entity] += 1
+        fake = self.replace(entity, value)
+        return fake if spelling == "raw" else json.dumps(fake, ensure_ascii=spelling == "ascii")[1:-1]
+
     @staticmethod
-    def _pattern(found: dict[str, str]) -> tuple[re.Pattern, dict[str, tuple[str, bool]]]:
-        """One alternation of every value (and its JSON-escaped spelling), longest first, as whole words."""
-        lookup: dict[str, tuple[str, bool]] = {}
+    def _pattern(found: dict[str, str]) -> tuple[re.Pattern, dict[str, tuple[str, str]]]:
+        """One alternation of every value and its JSON-escaped spellings (as json.dumps writes it with and
+        without ensure_ascii), longest first, as whole words."""
+        lookup: dict[str, tuple[str, str]] = {}
         for value in found:
-            lookup.setdefault(value, (value, False))
-            escaped = json.dumps(value, ensure_ascii=False)[1:-1]
-            if escaped != value:
-                lookup.setdefault(escaped, (value, True))
+            lookup.setdefault(value, (value, "raw"))
+            for spelling in ("utf8", "ascii"):
+                escaped = json.dumps(value, ensure_ascii=spelling == "ascii")[1:-1]
+                lookup.setdefault(escaped, (value, spelling))
         alternatives = "|".join(re.escape(v) for v in sorted(lookup, key=len, reverse=True))
         return re.compile(rf"(?<![\w@.+-])(?:{alternatives})(?![\w@])"), lookup
 
