@@ -145,6 +145,17 @@ def test_company_names_are_not_people(scrubber: Scrubber) -> None:
     assert out == lines, report.as_dict()
 
 
+def test_names_next_to_companies(scrubber: Scrubber) -> None:
+    convs = [[{"role": "user", "content": "Grace Hopper and Alan Turing were pioneers. Invoice from Smith & Sons Ltd, "
+                                          "attn. Peter Novak. Contact: María García, +34 612 345 678."},
+              {"role": "assistant", "content": "ok"}]]
+    (conv,), report = scrubber.scrub(convs)
+    for name in ("Grace Hopper", "Alan Turing", "Peter Novak", "María García"):
+        assert name not in conv[0]["content"]
+    assert "Invoice from Smith & Sons Ltd, attn. " in conv[0]["content"]
+    assert report.values["PERSON"] == 4
+
+
 def test_names_in_prose(scrubber: Scrubber) -> None:
     convs = [[{"role": "user", "content": "Please forward this to Sarah Johnson, and thank Mr. Peter Müller for the "
                                           "quick reply. Dear Laura, the report is attached."},

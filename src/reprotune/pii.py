@@ -55,8 +55,7 @@ ORG_WORDS = {
     "consulting", "software", "systems", "design", "media", "logistics", "industries", "international", "bank",
     "sons", "synowie", "brothers", "bros", "hijos", "fils", "söhne",
 }
-# "Smith & Sons", "Kowalski i Synowie": a connector right after the span, then a capitalised word
-CONNECTORS = {"&", "and", "und", "y", "i", "et", "e"}
+
 CALENDAR_WORDS = {
     "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "january",
     "february", "march", "april", "june", "july", "august", "september", "october", "november", "december",
@@ -179,9 +178,8 @@ def _make_person_recognizer(model_name: str) -> Any:
             if tokens[0].text not in self.names:
                 return None
             following = list(doc[ent.end:ent.end + 3])
+            # "Smith & Sons Ltd", "Kowalski & Synowie": a legal form or company word in or just after the span
             if any(t.lower_ in ORG_WORDS for t in tokens) or any(t.lower_ in ORG_WORDS for t in following):
-                return None
-            if len(following) > 1 and following[0].lower_ in CONNECTORS and following[1].text[:1].isupper():
                 return None
             if len(tokens) == 1:
                 first = tokens[0]
