@@ -166,3 +166,10 @@ def test_cli_reports_problems_without_traceback(tmp_path: Path) -> None:
     assert f"{bad}:1: completion: is empty" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "data/prepared").exists()
+
+
+def test_nothing_left_to_train_on_is_a_data_error(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data/raw/long.jsonl", long_conversations(4))
+    with pytest.raises(DataError, match=r"long.jsonl:0: data: no training examples left .*'dropped': 4"):
+        run(tmp_path, "data.path=${paths.raw}/long.jsonl", "data.max_length=20")
+    assert not (tmp_path / "data/prepared").exists()

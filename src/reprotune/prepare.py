@@ -316,7 +316,7 @@ def prepare(cfg: DictConfig) -> dict:
     }
     if not train_idx:
         raise DataError([f"{data.path}:0: data: no training examples left after dedup, split and length policy "
-                         f"(see {out / 'report.json'})"])
+                         f"({report['examples']})"])
 
     out.mkdir(parents=True, exist_ok=True)
     plot_tmp = out / "lengths.png.staging.png"
