@@ -40,7 +40,7 @@ data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate;
 	@bash scripts/get_data.sh
 
 .PHONY: prepare
-prepare: data ## Validate, convert, scrub and split the data into data/prepared/
+prepare: data ## Validate, convert, scrub PII, split -> data/prepared/{train,holdout}.jsonl + reports (ARGS="data.path=<file|dir>")
 	$(PY) -m reprotune.prepare $(ARGS)
 
 .PHONY: train

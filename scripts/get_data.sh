@@ -18,11 +18,18 @@ if [ -d data/raw ] && [ -n "$(ls -A data/raw)" ] && [ ! -f data/raw/invoices.jso
   exit 1
 fi
 "$PY" -m reprotune.invoices --out data/raw/invoices.jsonl --n 600 --seed 1234
-# A fresh clone has an empty DVC cache ('not in cache' even when the bytes match): store the regenerated
-# data in the cache; if its hash differs from data.dvc, 'dvc commit' rewrites data.dvc, which we undo.
-cp data.dvc data.dvc.expected
-"$DVC" commit -q -f data.dvc
-if ! cmp -s data.dvc data.dvc.expected; then mv data.dvc.expected data.dvc; else rm data.dvc.expected; fi
+# A fresh clone has an empty DVC cache, so 'dvc status' says "not in cache" even when the bytes match:
+# let DVC hash the regenerated data into its cache, and fail if that would change the recorded hash.
+recorded=$(mktemp)
+cp data.dvc "$recorded"
+"$DVC" commit -f -q data.dvc >/dev/null 2>&1 || true
+if ! cmp -s data.dvc "$recorded"; then
+  echo "data: regenerated data/raw does not match data.dvc (generator or environment changed):" >&2
+  diff "$recorded" data.dvc >&2 || true
+  mv "$recorded" data.dvc
+  exit 1
+fi
+rm -f "$recorded"
 if ! up_to_date; then
   echo "data: regenerated data/raw does not match data.dvc (generator or environment changed):" >&2
   "$DVC" status data.dvc >&2

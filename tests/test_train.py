@@ -116,3 +116,23 @@ def test_other_methods_train(method: str, workspace: tuple[Path, list[str]]) -> 
     config = json.loads((root / "outputs/adapter/adapter_config.json").read_text())
     assert config["use_dora"] is (method == "dora")
     assert record["config"]["method"]["load_in_4bit"] is (method == "qlora")
+
+
+def test_adapter_config_does_not_depend_on_the_hash_seed(workspace: tuple[Path, list[str]]) -> None:
+    """Two processes with different PYTHONHASHSEED must write the same adapter_config.json (PEFT keeps
+    target_modules in a set)."""
+    import os
+    import subprocess
+    import sys
+
+    root, overrides = workspace
+    configs = []
+    for seed in ("1", "2"):
+        out = root / f"run{seed}"
+        (out / "data").mkdir(parents=True)
+        (out / "data/prepared").symlink_to(root / "data/prepared")
+        subprocess.run([sys.executable, "-m", "reprotune.train", *TINY_TRAIN, "train.max_steps=1",
+                        f"paths.root={out}"], check=True, capture_output=True, timeout=600,
+                       env=dict(os.environ, PYTHONHASHSEED=seed))
+        configs.append((out / "outputs/adapter/adapter_config.json").read_bytes())
+    assert configs[0] == configs[1]

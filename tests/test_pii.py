@@ -1,0 +1,186 @@
+"""PII scrubbing (reprotune.pii) with the real Presidio, phonenumbers, stdnum, Faker and spaCy model:
+planted PII of every type disappears, task fields survive, fakes are consistent, valid and seeded."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from stdnum import iban, luhn
+from stdnum.es import dni, nie
+
+from reprotune.pii import ENTITIES, Scrubber
+
+PLANTED = {
+    "EMAIL_ADDRESS": ["jane.doe@acme-corp.com", "j.garcia+billing@correo.es"],
+    "PHONE_NUMBER": ["+44 20 7946 0958", "+34 612 345 678", "(415) 555-2671", "0049 30 901820"],
+    "IBAN_CODE": ["ES91 2100 0418 4502 0005 1332", "DE89370400440532013000"],
+    "BANK_ACCOUNT": ["40012345678"],
+    "CREDIT_CARD": ["4111 1111 1111 1111", "5500-0000-0000-0004"],
+    "IP_ADDRESS": ["192.168.10.23", "2001:db8:85a3::8a2e:370:7334"],
+    "US_SSN": ["536-22-1234"],
+    "ES_NIF": ["12345678Z"],
+    "ES_NIE": ["X1234567L"],
+    "PERSON": ["John Smith", "María García"],
+}
+SECRETS = ["s3cr3tPass", "ghp_abcDEF1234567890token", "ghp_AbC123xYz987"]
+USER = (
+    "INVOICE INV-00123 from Acme Industrial Supplies Ltd, dated 12/03/2024.\n"
+    "Contact: John Smith <jane.doe@acme-corp.com>, phone +44 20 7946 0958 or (415) 555-2671.\n"
+    "Our Madrid office: María García, j.garcia+billing@correo.es, +34 612 345 678, fax 0049 30 901820.\n"
+    "Pay to IBAN ES91 2100 0418 4502 0005 1332 (or DE89370400440532013000), account no. 40012345678.\n"
+    "Card on file 4111 1111 1111 1111, backup 5500-0000-0000-0004. Portal login from 192.168.10.23 and "
+    "2001:db8:85a3::8a2e:370:7334.\n"
+    "Tax ids: SSN 536-22-1234, DNI 12345678Z, NIE X1234567L.\n"
+    "Files: https://jsmith:s3cr3tPass@files.acme-corp.com/inv/123.pdf and "
+    "https://api.acme-corp.com/v2/invoices?id=123&access_token=ghp_abcDEF1234567890token ; "
+    "https://ghp_AbC123xYz987@git.acme-corp.com/billing.git\n"
+    "TOTAL DUE: EUR 1.234,56 (VAT 21%: 214,26 EUR). Public docs: https://acme-corp.com/terms"
+)
+ANSWER = json.dumps({"supplier": "Acme Industrial Supplies Ltd", "invoice_number": "INV-00123",
+                     "contact": "John Smith", "email": "jane.doe@acme-corp.com", "iban": "ES91 2100 0418 4502 0005 1332",
+                     "date": "2024-03-12", "currency": "EUR", "total": 1234.56, "tax": 214.26}, ensure_ascii=False)
+
+
+@pytest.fixture(scope="module")
+def scrubber() -> Scrubber:
+    return Scrubber(seed=0)
+
+
+@pytest.fixture(scope="module")
+def scrubbed(scrubber: Scrubber) -> tuple[list, dict]:
+    conversations = [[{"role": "system", "content": "Extract the fields."}, {"role": "user", "content": USER},
+                      {"role": "assistant", "content": ANSWER}]]
+    out, report = scrubber.scrub(conversations)
+    return out, report.as_dict()
+
+
+def test_no_planted_value_survives(scrubbed: tuple[list, dict]) -> None:
+    (conv,), _ = scrubbed
+    text = "\n".join(m["content"] for m in conv)
+    for entity, values in PLANTED.items():
+        for value in values:
+            assert value not in text, f"{entity} {value!r} survived"
+    for secret in SECRETS:
+        assert secret not in text, f"URL secret {secret!r} survived"
+    for part in ("7946 0958", "555-2671", "0418 4502", "1111 1111 1111", "X1234567"):
+        assert part not in text
+
+
+def test_task_fields_survive(scrubbed: tuple[list, dict]) -> None:
+    (conv,), _ = scrubbed
+    user, answer = conv[1]["content"], json.loads(conv[2]["content"])
+    for kept in ("INV-00123", "Acme Industrial Supplies Ltd", "12/03/2024", "EUR 1.234,56", "214,26 EUR", "VAT 21%",
+                 "https://acme-corp.com/terms", "files.acme-corp.com/inv/123.pdf", "api.acme-corp.com/v2/invoices?id=123"):
+        assert kept in user, kept
+    assert conv[0]["content"] == "Extract the fields."
+    assert (answer["supplier"], answer["invoice_number"], answer["date"], answer["total"], answer["tax"]) == \
+        ("Acme Industrial Supplies Ltd", "INV-00123", "2024-03-12", 1234.56, 214.26)
+
+
+def test_answer_replaced_like_the_text(scrubbed: tuple[list, dict]) -> None:
+    """A value in both the invoice and the JSON answer becomes the same fake in both (still extractable)."""
+    (conv,), _ = scrubbed
+    user, answer = conv[1]["content"], json.loads(conv[2]["content"])
+    assert answer["contact"] != "John Smith" and f"Contact: {answer['contact']} <{answer['email']}>" in user
+    assert answer["iban"] in user
+
+
+def test_fakes_keep_the_format(scrubbed: tuple[list, dict]) -> None:
+    (conv,), _ = scrubbed
+    user = conv[1]["content"]
+    cards = re.findall(r"Card on file (\d{4} \d{4} \d{4} \d{4}), backup (\d{4}-\d{4}-\d{4}-\d{4})\.", user)
+    assert cards, user
+    for card in cards[0]:
+        assert luhn.is_valid(card.replace(" ", "").replace("-", ""))
+    assert cards[0][0].startswith("4") and cards[0][1].startswith("5")  # still Visa / Mastercard
+    ibans = re.findall(r"IBAN (ES\d\d(?: \d{4}){5}) \(or (DE\d{20})\)", user)
+    assert ibans, user
+    assert all(iban.validate(i, check_country=False) for i in ibans[0])  # ISO 7064 check digits
+    ids = re.search(r"SSN (\d{3}-\d{2}-\d{4}), DNI (\d{8}[A-Z]), NIE ([XYZ]\d{7}[A-Z])\.", user)
+    assert ids, user
+    assert dni.is_valid(ids.group(2)) and nie.is_valid(ids.group(3))
+    assert re.search(r"phone \+44 \d{2} \d{4} \d{4} or \(\d{3}\) \d{3}-\d{4}\.", user)
+    assert re.search(r"\+34 \d{3} \d{3} \d{3}, fax 0049 \d{2} \d{6}\.", user)
+    assert re.search(r"https://[\w.]+:[A-Za-z0-9]{10}@files\.acme-corp\.com/", user)
+    assert re.search(r"access_token=[A-Za-z0-9_]{25} ;", user)
+    assert re.search(r"login from (\d{1,3}\.){3}\d{1,3} and [0-9a-f:]+\.", user)
+
+
+def test_report_counts_without_values(scrubbed: tuple[list, dict]) -> None:
+    _, report = scrubbed
+    assert set(report["entities"]) == set(ENTITIES)
+    for entity, values in PLANTED.items():
+        assert report["entities"][entity]["values"] == len(values), entity
+    assert report["entities"]["URL_CREDENTIALS"]["values"] == 3
+    assert report["entities"]["EMAIL_ADDRESS"]["replacements"] == 3  # twice in the text, once in the answer
+    dumped = json.dumps(report)
+    assert not any(v in dumped for values in PLANTED.values() for v in values)
+
+
+def test_consistent_across_examples_and_seeded(scrubber: Scrubber) -> None:
+    convs = [[{"role": "user", "content": f"Mail {who} at jane.doe@acme-corp.com"}, {"role": "assistant", "content": "ok"}]
+             for who in ("her", "the team")]
+    out, _ = scrubber.scrub(convs)
+    fakes = [re.search(r"at (\S+@\S+)", c[0]["content"]).group(1) for c in out]
+    assert fakes[0] == fakes[1] and fakes[0] != "jane.doe@acme-corp.com"
+    again, _ = Scrubber(seed=0).scrub(convs)
+    other, _ = Scrubber(seed=1).scrub(convs)
+    assert again == out
+    assert other != out
+
+
+def test_company_names_are_not_people(scrubber: Scrubber) -> None:
+    """The built-in invoices hold supplier names and no personal data: nothing is replaced in them."""
+    from reprotune.invoices import SUPPLIERS, generate
+
+    convs = [r["messages"] for r in generate(150, seed=1234)]
+    out, report = scrubber.scrub(convs)
+    assert out == convs
+    assert report.as_dict()["total_replacements"] == 0
+    lines = [[{"role": "user", "content": f"Bill from {s}\nTotal: 5 EUR"}, {"role": "assistant", "content": s}]
+             for s in SUPPLIERS]
+    out, report = scrubber.scrub(lines)
+    assert out == lines, report.as_dict()
+
+
+def test_names_next_to_companies(scrubber: Scrubber) -> None:
+    convs = [[{"role": "user", "content": "Grace Hopper and Alan Turing were pioneers. Invoice from Smith & Sons Ltd, "
+                                          "attn. Peter Novak. Contact: María García, +34 612 345 678."},
+              {"role": "assistant", "content": "ok"}]]
+    (conv,), report = scrubber.scrub(convs)
+    for name in ("Grace Hopper", "Alan Turing", "Peter Novak", "María García"):
+        assert name not in conv[0]["content"]
+    assert "Invoice from Smith & Sons Ltd, attn. " in conv[0]["content"]
+    assert report.values["PERSON"] == 4
+
+
+def test_names_in_prose(scrubber: Scrubber) -> None:
+    convs = [[{"role": "user", "content": "Please forward this to Sarah Johnson, and thank Mr. Peter Müller for the "
+                                          "quick reply. Dear Laura, the report is attached."},
+              {"role": "assistant", "content": "Done."}]]
+    (conv,), report = scrubber.scrub(convs)
+    for name in ("Sarah Johnson", "Peter Müller", "Laura"):
+        assert name not in conv[0]["content"]
+    assert "Mr. " in conv[0]["content"] and "Dear " in conv[0]["content"]
+    assert report.values["PERSON"] == 3
+
+
+def test_ascii_escaped_json_answer_is_replaced_too(scrubber: Scrubber) -> None:
+    answer = json.dumps({"contact": "María García", "phone": "+34 612 345 678"})  # ensure_ascii: Mar\u00eda
+    convs = [[{"role": "user", "content": "Contact María García on +34 612 345 678 about invoice F00123."},
+              {"role": "assistant", "content": answer}]]
+    (conv,), _ = scrubber.scrub(convs)
+    fields = json.loads(conv[1]["content"])
+    assert fields["contact"] != "María García" and "Garc" not in conv[1]["content"]
+    assert f"Contact {fields['contact']} on {fields['phone']} about invoice F00123." == conv[0]["content"]
+
+
+def test_a_lone_first_name_is_replaced_only_where_it_was_found(scrubber: Scrubber) -> None:
+    convs = [[{"role": "user", "content": "Thanks again, Dear Laura, for the quick reply."}, {"role": "assistant", "content": "ok"}],
+             [{"role": "user", "content": "Laura\nOrder 12"}, {"role": "assistant", "content": "Laura"}]]
+    out, report = scrubber.scrub(convs)
+    assert "Laura" not in out[0][0]["content"]
+    assert out[1] == convs[1]  # a line-initial "Laura" is not detected there, and is not rewritten either
+    assert report.replacements["PERSON"] == 1
