@@ -63,3 +63,7 @@ lint: venv ## ruff
 .PHONY: clean
 clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and raw data)
 	rm -rf outputs data/prepared
+
+.PHONY: eval
+eval: venv ## Base vs fine-tuned (vs eval.baseline.url) on the holdout -> outputs/eval/{report.md,metrics.json,comparison.png,predictions.jsonl}
+	$(PY) -m reprotune.evaluate $(ARGS)
