@@ -51,9 +51,15 @@ def test_outputs_and_metrics(evaluated: tuple[Path, dict]) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stage"] == "eval" and manifest["device"] == "cpu" and manifest["batch_size"] == 4
     assert manifest["timing"]["base"]["seconds"] > 0 and manifest["timing"]["tuned"]["seconds"] > 0
-    assert manifest["outputs"]["metrics.json"] == __import__("hashlib").sha256(
+    assert manifest["outputs"]["metrics"]["sha256"] == __import__("hashlib").sha256(
         (out / "metrics.json").read_bytes()).hexdigest()
-    assert len(manifest["inputs"]["holdout"]["sha256"]) == 64 and manifest["inputs"]["holdout"]["examples"] == 6
+    assert manifest["outputs"]["report"]["path"] == "eval_a/report.md"  # relative to paths.root
+    assert manifest["manifest_path"] == "eval_a/manifest.json"
+    assert manifest["inputs"]["holdout"] == {"path": "data/prepared/holdout.jsonl", "examples": 6,
+                                             "sha256": manifest["inputs"]["holdout"]["sha256"]}
+    assert len(manifest["inputs"]["holdout"]["sha256"]) == 64
+    assert set(manifest["inputs"]["adapter"]["files"]) >= {"adapter_model.safetensors", "chat_template.jinja"}
+    assert manifest["baseline"] is None
 
 
 def test_predictions_hold_every_example_and_system(evaluated: tuple[Path, dict], tiny_adapter: Path) -> None:  # noqa: F811

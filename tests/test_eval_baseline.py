@@ -68,7 +68,7 @@ def test_baseline_in_the_same_table(server: ChatServer, tiny_adapter: Path,  # n
     assert "| metric | base | tuned | prompt baseline | Δ tuned − base | Δ tuned − prompt baseline |" in report
 
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["inputs"]["baseline"] == {"url": server.url, "model": "tiny-served"}
+    assert manifest["baseline"] == {"url": server.url, "model": "tiny-served"}
     assert manifest["timing"]["baseline"]["seconds"] > 0
     for path in out.rglob("*"):  # the key was sent to the server, and is written nowhere
         assert FAKE_KEY.encode() not in path.read_bytes(), path

@@ -43,6 +43,8 @@ LOWER_IS_BETTER = {"loss", "perplexity"}
 # Padded generation keeps a (batch x length) KV cache and logits; these are safe starting points for a
 # laptop CPU and for one GPU. Override with eval.batch_size=N.
 AUTO_BATCH_SIZE = {"cpu": 8, "cuda": 32}
+OUTPUT_FILES = {"metrics": "metrics.json", "predictions": "predictions.jsonl", "report": "report.md",
+                "comparison_plot": "comparison.png"}
 
 
 class EvalInputError(SystemExit):
@@ -444,6 +446,18 @@ def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) ->
     os.replace(tmp, out)
 
 
+def path_record(path: Path, root: Path | None) -> dict[str, Any]:
+    """An input or output as the manifest records it: path (relative to paths.root) and sha256; a directory
+    gets one digest over its files plus the per-file digests (what 'make verify' compares)."""
+    from reprotune import manifest as mf
+
+    rel = Path(os.path.relpath(path, root) if root is not None else path).as_posix()
+    if path.is_dir():
+        files = mf.sha256_tree(path)
+        return {"path": rel, "sha256": mf.tree_digest(files), "files": files}
+    return {"path": rel, "sha256": mf.sha256_file(path)}
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -510,22 +524,21 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     table = write_report(out_dir / "report.md", cfg, metrics, records, names, primary)
     plot_comparison(metrics, names, out_dir / "comparison.png")
 
-    adapter_files = mf.sha256_tree(Path(cfg.paths.adapter))
+    root = Path(cfg.paths.root)
     record = mf.base_manifest("eval", OmegaConf.to_container(cfg, resolve=True))
     record.update({
+        "manifest_path": os.path.relpath(out_dir / "manifest.json", root),
         "seeds": {"seed": int(cfg.seed), "repro": cfg.repro},
         "device": device,
         "dtype": dtype,
         "batch_size": batch_size,
-        "inputs": {"holdout": {"path": holdout.as_posix(), "sha256": mf.sha256_file(holdout),
-                               "examples": len(examples)},
-                   "adapter": {"path": cfg.paths.adapter, "sha256": mf.tree_digest(adapter_files)},
-                   "base_model": {"path": model_dir, "sha256": mf.tree_digest(mf.sha256_tree(Path(model_dir)))
-                                  if Path(model_dir).is_dir() else None},
-                   "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model}
-                   if "baseline" in runs else None},
-        "outputs": {name: mf.sha256_file(out_dir / name)
-                    for name in ("metrics.json", "predictions.jsonl", "report.md", "comparison.png")},
+        "inputs": {"holdout": {**path_record(holdout, root), "examples": len(examples)},
+                   "adapter": path_record(Path(cfg.paths.adapter), root),
+                   # outside the run (a shared cache): an absolute path
+                   "base_model": path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
+                   else {"path": model_dir, "sha256": None}},
+        "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
+        "outputs": {key: path_record(out_dir / name, root) for key, name in OUTPUT_FILES.items()},
         "timing": {"wall_seconds": round(time.time() - started, 2),
                    **{s: {"seconds": round(run.seconds, 2),
                           "examples_per_second": round(len(examples) / run.seconds, 3) if run.seconds else None,
