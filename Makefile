@@ -64,6 +64,10 @@ lint: venv ## ruff
 clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and raw data)
 	rm -rf outputs data/prepared
 
+.PHONY: eval
+eval: venv ## Base vs fine-tuned (vs eval.baseline.url) on the holdout -> outputs/eval/{report.md,metrics.json,comparison.png,predictions.jsonl}
+	$(PY) -m reprotune.evaluate $(ARGS)
+
 # ---------------------------------------------------------------------------------------- reproducibility
 DVC := $(VENV)/bin/dvc
 # dvc.yaml's stage commands run 'python': the venv's

@@ -1,0 +1,564 @@
+"""Eval stage: the holdout through the base model and the fine-tuned one, side by side.
+
+    python -m reprotune.evaluate [hydra overrides]      # == make eval ARGS="..."
+
+"Before shutting the machine down, run your held-out examples through the base model and the tuned one
+and compare them side by side." Optionally also through a prompt-only baseline (any OpenAI-compatible
+endpoint, eval.baseline.url): if a well-prompted base model is almost as good, fine-tuning was not needed.
+
+Reads  data/prepared/holdout.jsonl, the base model, outputs/adapter/ (PEFT adapter, tokenizer, chat template).
+Writes outputs/eval/metrics.json (deterministic: no timings), predictions.jsonl (every example, every
+       system), report.md (summary table, then the examples where base and tuned differ, worst regressions
+       first), comparison.png (per-metric bars) and manifest.json (provenance and timings).
+
+Both local systems use one loaded model (the adapter switched off for the base pass), one tokenizer, the
+adapter's chat template, greedy decoding and the same generation settings, batched with left padding.
+
+Read top to bottom: settings -> data -> model -> generate / loss -> baseline -> score -> report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune import metrics as mx
+from reprotune.config import CONF_DIR
+
+log = logging.getLogger("reprotune.evaluate")
+
+SYSTEM_LABELS = {"base": "base", "tuned": "tuned", "baseline": "prompt baseline"}
+LOWER_IS_BETTER = {"loss", "perplexity"}
+# Padded generation keeps a (batch x length) KV cache and logits; these are safe starting points for a
+# laptop CPU and for one GPU. Override with eval.batch_size=N.
+AUTO_BATCH_SIZE = {"cpu": 8, "cuda": 32}
+OUTPUT_FILES = {"metrics": "metrics.json", "predictions": "predictions.jsonl", "report": "report.md",
+                "comparison_plot": "comparison.png"}
+
+
+class EvalInputError(SystemExit):
+    """Bad input (holdout, adapter, task config, baseline endpoint): one clear line, non-zero exit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"eval: {message}")
+
+
+# ----------------------------------------------------------------------------------------------- settings
+def resolve_batch_size(cfg: DictConfig, device: str) -> int:
+    size = cfg.eval.batch_size
+    if size == "auto":
+        return AUTO_BATCH_SIZE.get(device, 8)
+    if not isinstance(size, int) or size < 1:
+        raise EvalInputError(f"eval.batch_size must be a positive integer or 'auto', not {size!r}")
+    return size
+
+
+# ------------------------------------------------------------------------------------------------- data
+@dataclass
+class Example:
+    index: int                      # line order in the holdout file
+    prompt: list[dict[str, str]]    # every message but the last (assistant) one
+    reference: str                  # the last assistant message
+
+
+def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
+    """Validate while reading: a bad line is reported by file, line number and field."""
+    if not path.is_file():
+        raise EvalInputError(f"{path} not found; run 'make prepare' first")
+    examples: list[Example] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise EvalInputError(f"{where}: not valid JSON ({err.msg})") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(messages, list) or len(messages) < 2:
+                raise EvalInputError(f"{where}: field 'messages' must be a list of at least 2 messages")
+            for i, msg in enumerate(messages):
+                if not (isinstance(msg, dict) and isinstance(msg.get("role"), str)
+                        and isinstance(msg.get("content"), str)):
+                    raise EvalInputError(f"{where}: field 'messages[{i}]' needs string 'role' and 'content'")
+            if messages[-1]["role"] != "assistant":
+                raise EvalInputError(f"{where}: field 'messages[-1].role' must be 'assistant' (the reference)")
+            examples.append(Example(len(examples), messages[:-1], messages[-1]["content"]))
+            if max_examples and len(examples) >= max_examples:
+                break
+    if not examples:
+        raise EvalInputError(f"{path} holds no examples")
+    return examples
+
+
+def check_references(examples: Sequence[Example], task: dict, path: Path) -> None:
+    """A json task's references must be JSON objects, or every score would be meaningless."""
+    if task["type"] != "json":
+        return
+    for ex in examples:
+        if mx.parse_json_object(ex.reference) is None:
+            raise EvalInputError(f"{path}: example {ex.index + 1}: the assistant reply is not a JSON object, "
+                                 "but data.task.type is json")
+
+
+# ------------------------------------------------------------------------------------------------ model
+def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
+    """The base model once, with the adapter on top: disable_adapter() gives the base back for its pass."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from reprotune.models import resolve_model_dir
+    from reprotune.train import load_base_model
+
+    adapter_dir = Path(cfg.paths.adapter)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise EvalInputError(f"no adapter in {adapter_dir}; run 'make train' first")
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    # the adapter directory carries the exact tokenizer and chat template the adapter was trained with
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    base = load_base_model(model_dir, cfg, device, dtype)
+    if not cfg.method.load_in_4bit:
+        base = base.to(device)
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    model.eval()
+    return model, tokenizer, model_dir
+
+
+def end_of_turn_ids(tokenizer, example: Example) -> list[int]:
+    """What the template puts after an assistant reply (e.g. <|im_end|>): the tokens a good answer ends with."""
+    full = tokenizer.apply_chat_template([*example.prompt, {"role": "assistant", "content": example.reference}],
+                                         tokenize=False)
+    prompt = tokenizer.apply_chat_template(example.prompt, tokenize=False, add_generation_prompt=True)
+    rest = full[len(prompt):] if full.startswith(prompt) else ""
+    suffix = rest[len(example.reference):].rstrip() if rest.startswith(example.reference) else ""
+    if suffix:
+        return tokenizer.encode(suffix, add_special_tokens=False)
+    return [tokenizer.eos_token_id]
+
+
+def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template(ex.prompt, tokenize=False, add_generation_prompt=True) for ex in examples]
+    # the rendered template already holds any BOS the model needs
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def batches(order: Sequence[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(order), size):
+        yield list(order[start:start + size])
+
+
+def pad(rows: Sequence[Sequence[int]], pad_id: int, side: str):
+    """(input_ids, attention_mask) tensors; left padding for generation, right padding for scoring."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, span] = torch.tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------- generate / loss
+@dataclass
+class SystemRun:
+    """One system's outputs on the holdout, in holdout order."""
+    predictions: list[str]
+    new_tokens: list[int]
+    nll: list[float] = field(default_factory=list)     # summed loss over each reference's tokens
+    n_tokens: list[int] = field(default_factory=list)  # how many reference tokens that is
+    seconds: float = 0.0
+
+
+def generate_all(model, tokenizer, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int,
+                 desc: str) -> tuple[list[str], list[int]]:
+    """Greedy completions, batched; longest prompts first so a too-large batch fails at once."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import GenerationConfig
+
+    eos = {tokenizer.eos_token_id}
+    model_eos = model.generation_config.eos_token_id
+    eos |= set(model_eos if isinstance(model_eos, list) else [model_eos] if model_eos is not None else [])
+    gen_config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=int(max_new_tokens),
+                                  eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id)
+    order = sorted(range(len(prompt_ids)), key=lambda i: (-len(prompt_ids[i]), i))
+    texts: list[str] = [""] * len(prompt_ids)
+    counts: list[int] = [0] * len(prompt_ids)
+    device = next(model.parameters()).device
+    for batch in tqdm(list(batches(order, batch_size)), desc=desc, unit="batch"):
+        ids, mask = pad([prompt_ids[i] for i in batch], tokenizer.pad_token_id, side="left")
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 generation_config=gen_config)
+        new = out[:, ids.shape[1]:].cpu()
+        for row, i in enumerate(batch):
+            tokens = new[row].tolist()
+            # tokens after the first end-of-sequence are padding
+            end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+            counts[i] = end
+            texts[i] = tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
+    return texts, counts
+
+
+def reference_loss(model, tokenizer, examples: Sequence[Example], prompt_ids: list[list[int]],
+                   batch_size: int, desc: str) -> tuple[list[float], list[int]]:
+    """Summed cross-entropy of each reference reply (+ its end-of-turn tokens) given its prompt, as
+    generation sees it: the prompt tokens, then the reference tokens. Only the assistant tokens count."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
+    targets = [tokenizer.encode(ex.reference, add_special_tokens=False) + end_of_turn_ids(tokenizer, ex)
+               for ex in examples]
+    rows = [p + t for p, t in zip(prompt_ids, targets, strict=True)]
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]), i))
+    nll, n_tokens = [0.0] * len(rows), [0] * len(rows)
+    device = next(model.parameters()).device
+    for batch in tqdm(list(batches(order, batch_size)), desc=desc, unit="batch"):
+        ids, mask = pad([rows[i] for i in batch], tokenizer.pad_token_id, side="right")
+        labels = torch.full_like(ids, -100)
+        for row, i in enumerate(batch):
+            start = len(prompt_ids[i])
+            labels[row, start:len(rows[i])] = ids[row, start:len(rows[i])]
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+        losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100,
+                                 reduction="none")
+        for row, i in enumerate(batch):
+            nll[i] = float(losses[row].sum())
+            n_tokens[i] = int((labels[row, 1:] != -100).sum())
+    return nll, n_tokens
+
+
+def run_local(model, tokenizer, examples: Sequence[Example], name: str, cfg: DictConfig,
+              batch_size: int, adapter_on: bool) -> SystemRun:
+    started = time.time()
+    prompt_ids = encode_prompts(tokenizer, examples)
+    switch = nullcontext() if adapter_on else model.disable_adapter()
+    with switch:
+        texts, counts = generate_all(model, tokenizer, prompt_ids, batch_size, cfg.eval.max_new_tokens,
+                                     desc=f"{name}: generate")
+        run = SystemRun(texts, counts)
+        if cfg.eval.loss:
+            run.nll, run.n_tokens = reference_loss(model, tokenizer, examples, prompt_ids, batch_size,
+                                                   desc=f"{name}: holdout loss")
+    run.seconds = time.time() - started
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- baseline
+def baseline_messages(prompt: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    """The holdout prompt, with the configured system prompt in place of the example's own (if set)."""
+    if system_prompt is None:
+        return list(prompt)
+    rest = prompt[1:] if prompt and prompt[0]["role"] == "system" else prompt
+    return [{"role": "system", "content": system_prompt}, *rest]
+
+
+def run_baseline(cfg: DictConfig, examples: Sequence[Example]) -> SystemRun:
+    """The same holdout through an OpenAI-compatible chat endpoint, greedy (temperature 0)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from tqdm.auto import tqdm
+
+    b = cfg.eval.baseline
+    if not b.model:
+        raise EvalInputError("eval.baseline.model must name the model the endpoint serves")
+    # local servers ignore the key but the client insists on one; a real key only ever comes from the env
+    key = os.environ.get(b.api_key_env or "", "") or "no-key"
+    client = openai.OpenAI(base_url=b.url, api_key=key, timeout=float(b.timeout_s), max_retries=int(b.max_retries))
+    max_tokens = int(b.max_tokens or cfg.eval.max_new_tokens)
+
+    def ask(ex: Example) -> tuple[str, int]:
+        reply = client.chat.completions.create(
+            model=b.model, messages=baseline_messages(ex.prompt, b.system_prompt), temperature=0.0,
+            max_tokens=max_tokens, seed=int(cfg.seed))
+        usage = reply.usage.completion_tokens if reply.usage else 0
+        return (reply.choices[0].message.content or "").strip(), int(usage or 0)
+
+    started = time.time()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, int(b.concurrency))) as pool:
+            answers = list(tqdm(pool.map(ask, examples), total=len(examples), desc="prompt baseline",
+                                unit="example"))
+    except openai.APIConnectionError as err:
+        raise EvalInputError(f"eval.baseline.url {b.url}: cannot connect ({err.__cause__ or err})") from None
+    except openai.APIStatusError as err:
+        raise EvalInputError(f"eval.baseline.url {b.url}: HTTP {err.status_code} for model "
+                             f"{b.model!r}; check eval.baseline.model and ${b.api_key_env}") from None
+    run = SystemRun([a for a, _ in answers], [n for _, n in answers])
+    run.seconds = time.time() - started
+    return run
+
+
+# -------------------------------------------------------------------------------------------------- score
+def summarise(run: SystemRun, scores: list[dict[str, float]], names: Sequence[str]) -> dict[str, float]:
+    summary = mx.mean_scores(scores, names)
+    if run.n_tokens:
+        loss = sum(run.nll) / max(1, sum(run.n_tokens))
+        summary["loss"] = loss
+        summary["perplexity"] = math.exp(loss)
+    return {k: round(v, 6) for k, v in summary.items()}
+
+
+def build_metrics(summaries: dict[str, dict[str, float]], n_examples: int) -> dict[str, Any]:
+    """metrics.json: per system, and the deltas that answer 'was it worth it' (DVC flattens the nesting)."""
+    out: dict[str, Any] = {"examples": n_examples, **summaries}
+    for other in ("base", "baseline"):
+        if other in summaries:
+            out[f"delta_tuned_vs_{other}"] = {k: round(summaries["tuned"][k] - v, 6)
+                                             for k, v in summaries[other].items() if k in summaries["tuned"]}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- report
+def _fmt(value: float | None, name: str) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.3f}" if name in LOWER_IS_BETTER else f"{100 * value:.1f}%"
+
+
+def _fmt_delta(value: float | None, name: str) -> str:
+    if value is None:
+        return "–"
+    return f"{value:+.3f}" if name in LOWER_IS_BETTER else f"{100 * value:+.1f} pp"
+
+
+def summary_table(metrics: dict[str, Any], names: Sequence[str]) -> str:
+    systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
+    header = ["metric", *(SYSTEM_LABELS[s] for s in systems), "Δ tuned − base"]
+    if "baseline" in systems:
+        header.append("Δ tuned − prompt baseline")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in [*names, "loss", "perplexity"]:
+        if not any(name in metrics[s] for s in systems):
+            continue
+        label = f"{name} (lower is better)" if name in LOWER_IS_BETTER else name
+        cells = [label, *(_fmt(metrics[s].get(name), name) for s in systems),
+                 _fmt_delta(metrics["delta_tuned_vs_base"].get(name), name)]
+        if "baseline" in systems:
+            cells.append(_fmt_delta(metrics["delta_tuned_vs_baseline"].get(name), name))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(text: str, limit: int = 400) -> str:
+    text = text if len(text) <= limit else text[:limit] + " …"
+    return "<code>" + (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+                       .replace("|", "&#124;").replace("\n", "<br>")) + "</code>"
+
+
+def differing_examples(records: list[dict], primary: str, limit: int) -> list[dict]:
+    """Examples where base and tuned answer differently, worst regression (tuned − base) first."""
+    differ = [r for r in records if r["predictions"]["base"] != r["predictions"]["tuned"]]
+    differ.sort(key=lambda r: (r["scores"]["tuned"][primary] - r["scores"]["base"][primary], r["index"]))
+    return differ[:limit]
+
+
+def write_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], records: list[dict],
+                 names: Sequence[str], primary: str) -> str:
+    systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
+    table = summary_table(metrics, names)
+    n_differ = sum(r["predictions"]["base"] != r["predictions"]["tuned"] for r in records)
+    limit = int(cfg.eval.report_examples)
+    shown = differing_examples(records, primary, limit)
+    parts = [
+        f"# Evaluation: {cfg.model.name} base vs + adapter on the {cfg.data.name} holdout",
+        "",
+        f"{metrics['examples']} holdout examples; greedy decoding, max {cfg.eval.max_new_tokens} new tokens, "
+        f"the adapter's chat template. Task type `{cfg.data.task.type}`; the examples below are ranked by "
+        f"`{primary}`.",
+        "",
+        table,
+        "",
+        f"## Where base and tuned differ ({n_differ} of {metrics['examples']}; "
+        f"{len(shown)} shown, worst regressions first)",
+        "",
+    ]
+    for r in shown:
+        s = r["scores"]
+        delta = s["tuned"][primary] - s["base"][primary]
+        parts += [f"### Example {r['index'] + 1}: {primary} {_fmt(s['base'][primary], primary)} → "
+                  f"{_fmt(s['tuned'][primary], primary)} ({_fmt_delta(delta, primary)})", "",
+                  "Input: " + _cell(r["input"], 600), "",
+                  "| reference | " + " | ".join(SYSTEM_LABELS[x] for x in systems) + " |",
+                  "|---|" + "---|" * len(systems),
+                  "| " + " | ".join([_cell(r["reference"]), *(_cell(r["predictions"][x]) for x in systems)]) + " |",
+                  ""]
+    text = "\n".join(parts) + "\n"
+    _atomic_write_text(path, text)
+    return table
+
+
+def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) -> None:
+    """Grouped bars: rate metrics in percent; loss and perplexity (lower is better) on their own axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
+    rates = [n for n in names if not n.startswith("field/")]
+    losses = [n for n in ("loss", "perplexity") if n in metrics["base"]]
+    fig, axes = plt.subplots(1, 1 + len(losses), figsize=(3 + 1.1 * len(rates) + 2 * len(losses), 4), dpi=100,
+                             gridspec_kw={"width_ratios": [max(2, len(rates)), *([1] * len(losses))]},
+                             squeeze=False)
+    width = 0.8 / len(systems)
+    for k, system in enumerate(systems):
+        values = [100 * metrics[system].get(n, 0.0) for n in rates]
+        bars = axes[0][0].bar([i + k * width for i in range(len(rates))], values, width,
+                              label=SYSTEM_LABELS[system])
+        axes[0][0].bar_label(bars, fmt="%.0f", fontsize=7)
+    axes[0][0].set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(rates))], rates, rotation=20,
+                          ha="right")
+    axes[0][0].set_ylabel("% of holdout examples (higher is better)")
+    axes[0][0].set_ylim(0, 110)
+    axes[0][0].legend(fontsize=8)
+    for ax, name in zip(axes[0][1:], losses, strict=True):
+        present = [s for s in systems if name in metrics[s]]
+        ax.bar([SYSTEM_LABELS[s] for s in present], [metrics[s][name] for s in present],
+               color=[f"C{systems.index(s)}" for s in present])
+        ax.set_title(f"{name} (lower is better)", fontsize=9)
+    for ax in axes[0]:
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, metadata={"Software": None})  # no version stamp: same numbers, same bytes
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def path_record(path: Path, root: Path | None) -> dict[str, Any]:
+    """An input or output as the manifest records it: path (relative to paths.root) and sha256; a directory
+    gets one digest over its files plus the per-file digests (what 'make verify' compares)."""
+    from reprotune import manifest as mf
+
+    rel = Path(os.path.relpath(path, root) if root is not None else path).as_posix()
+    if path.is_dir():
+        files = mf.sha256_tree(path)
+        return {"path": rel, "sha256": mf.tree_digest(files), "files": files}
+    return {"path": rel, "sha256": mf.sha256_file(path)}
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_predictions(path: Path, records: list[dict]) -> None:
+    _atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
+
+
+# --------------------------------------------------------------------------------------------------- main
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    import torch
+
+    from reprotune import manifest as mf
+    from reprotune.train import resolve_device, resolve_dtype, set_reproducibility
+
+    started = time.time()
+    task = OmegaConf.to_container(cfg.data.task, resolve=True)
+    try:
+        mx.check_task(task)
+    except mx.MetricConfigError as err:
+        raise EvalInputError(str(err)) from None
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    set_reproducibility(cfg, device)
+    batch_size = resolve_batch_size(cfg, device)
+
+    holdout = Path(cfg.paths.prepared) / "holdout.jsonl"
+    examples = read_holdout(holdout, cfg.eval.max_examples)
+    check_references(examples, task, holdout)
+    log.info("eval: %d holdout examples, device=%s dtype=%s batch_size=%d", len(examples), device, dtype,
+             batch_size)
+
+    runs: dict[str, SystemRun] = {}
+    if cfg.eval.baseline.url:  # first: a wrong URL or key fails in seconds, before the long local passes
+        runs["baseline"] = run_baseline(cfg, examples)
+    model, tokenizer, model_dir = load_model_and_tokenizer(cfg, device, dtype)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    runs["base"] = run_local(model, tokenizer, examples, "base", cfg, batch_size, adapter_on=False)
+    runs["tuned"] = run_local(model, tokenizer, examples, "tuned", cfg, batch_size, adapter_on=True)
+    runs = {s: runs[s] for s in ("base", "tuned", "baseline") if s in runs}
+
+    names = mx.metric_names(task)
+    primary = mx.primary_metric(task)
+    scores = {s: [mx.score(p, ex.reference, task) for p, ex in zip(run.predictions, examples, strict=True)]
+              for s, run in runs.items()}
+    metrics = build_metrics({s: summarise(run, scores[s], names) for s, run in runs.items()}, len(examples))
+    records = [{
+        "index": ex.index,
+        "input": next((m["content"] for m in reversed(ex.prompt) if m["role"] == "user"), ""),
+        "reference": ex.reference,
+        "predictions": {s: run.predictions[i] for s, run in runs.items()},
+        "scores": {s: {k: round(v, 6) for k, v in scores[s][i].items()} for s in runs},
+        "reference_loss": {s: round(run.nll[i] / max(1, run.n_tokens[i]), 6)
+                           for s, run in runs.items() if run.n_tokens},
+    } for i, ex in enumerate(examples)]
+
+    out_dir = Path(cfg.paths.eval_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_predictions(out_dir / "predictions.jsonl", records)
+    mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: timings go to the manifest
+    table = write_report(out_dir / "report.md", cfg, metrics, records, names, primary)
+    plot_comparison(metrics, names, out_dir / "comparison.png")
+
+    root = Path(cfg.paths.root)
+    record = mf.base_manifest("eval", OmegaConf.to_container(cfg, resolve=True))
+    record.update({
+        "manifest_path": os.path.relpath(out_dir / "manifest.json", root),
+        "seeds": {"seed": int(cfg.seed), "repro": cfg.repro},
+        "device": device,
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "inputs": {"holdout": {**path_record(holdout, root), "examples": len(examples)},
+                   "adapter": path_record(Path(cfg.paths.adapter), root),
+                   # outside the run (a shared cache): an absolute path
+                   "base_model": path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
+                   else {"path": model_dir, "sha256": None}},
+        "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
+        "outputs": {key: path_record(out_dir / name, root) for key, name in OUTPUT_FILES.items()},
+        "timing": {"wall_seconds": round(time.time() - started, 2),
+                   **{s: {"seconds": round(run.seconds, 2),
+                          "examples_per_second": round(len(examples) / run.seconds, 3) if run.seconds else None,
+                          "new_tokens_per_second": round(sum(run.new_tokens) / run.seconds, 1)
+                          if run.seconds else None}
+                      for s, run in runs.items()},
+                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                   if device == "cuda" else None},
+    })
+    mf.write_json(out_dir / "manifest.json", record)
+    print(f"\n{table}\n\nreport: {out_dir / 'report.md'}   predictions: {out_dir / 'predictions.jsonl'}")
+    log.info("eval done in %.1fs (base %.1fs, tuned %.1fs)", record["timing"]["wall_seconds"],
+             runs["base"].seconds, runs["tuned"].seconds)
+    return {"metrics": metrics, "manifest": record}
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Shared by the eval tests: a tiny trained adapter, and a real OpenAI-compatible HTTP server.
+
+The server is small on purpose but real: it listens on 127.0.0.1, speaks the /v1/chat/completions wire
+format the `openai` client uses, checks the bearer key, and answers with a real model's greedy
+completion (transformers generate on the served model, rendered with the model's chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reprotune.config import compose
+
+from .conftest import TINY_TRAIN, write_jsonl
+
+# a higher learning rate than the train tests use, so 3 steps visibly change the tiny model's replies
+TINY_ADAPTER_TRAIN = [*TINY_TRAIN, "train.learning_rate=1e-2"]
+TINY_EVAL = ["model=tiny_random", "eval.max_new_tokens=24", "eval.batch_size=4", "eval.max_examples=6"]
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """paths.root with 32 train / 8 holdout invoices and a 3-step tiny_random adapter in outputs/adapter."""
+    from reprotune.invoices import generate
+    from reprotune.train import train
+
+    root = tmp_path_factory.mktemp("eval-root")
+    rows = generate(40, seed=7)
+    write_jsonl(root / "data/prepared/train.jsonl", rows[:32])
+    write_jsonl(root / "data/prepared/holdout.jsonl", rows[32:])
+    train(compose([*TINY_ADAPTER_TRAIN, f"paths.root={root}"]))
+    return root
+
+
+def eval_overrides(root: Path, eval_dir: str, *extra: str) -> list[str]:
+    return [*TINY_EVAL, f"paths.root={root}", f"paths.eval_dir={root / eval_dir}", *extra]
+
+
+class ChatServer:
+    """POST /v1/chat/completions served by a real transformers model (greedy); records what it was sent."""
+
+    def __init__(self, model: Any, tokenizer: Any, api_key: str | None) -> None:
+        self.model, self.tokenizer, self.api_key = model, tokenizer, api_key
+        self.requests: list[dict] = []
+        self.replies: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # keep pytest output clean
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                    return self._send(401, {"error": {"message": "invalid api key", "type": "auth"}})
+                if self.path != "/v1/chat/completions":
+                    return self._send(404, {"error": {"message": f"no route {self.path}"}})
+                server.requests.append(body)
+                text, n_prompt, n_new = server.complete(body["messages"], int(body.get("max_tokens") or 64))
+                server.replies.append(text)
+                return self._send(200, {
+                    "id": f"chatcmpl-{len(server.requests)}", "object": "chat.completion",
+                    "created": int(time.time()), "model": body["model"],
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": text}}],
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                              "total_tokens": n_prompt + n_new}})
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def complete(self, messages: list[dict], max_tokens: int) -> tuple[str, int, int]:
+        import torch
+
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                 return_dict=True)
+        with torch.inference_mode():
+            out = self.model.generate(**ids, do_sample=False, max_new_tokens=max_tokens,
+                                      pad_token_id=self.tokenizer.pad_token_id)
+        new = out[0, ids["input_ids"].shape[1]:]
+        return self.tokenizer.decode(new, skip_special_tokens=True).strip(), ids["input_ids"].shape[1], len(new)
+
+    def __enter__(self) -> ChatServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
