@@ -29,7 +29,7 @@ from .conftest import REPO
 VENV_BIN = Path(sys.executable).parent
 SSHD = Path("/usr/sbin/sshd")
 TINY = ["model=tiny_random", "train.max_steps=2", "train.save_steps=2", "train.logging_steps=1",
-        "train.per_device_train_batch_size=2"]
+        "train.per_device_train_batch_size=2", "eval.max_examples=4", "eval.max_new_tokens=16"]
 TIMINGS: dict[str, float] = {}
 
 
@@ -155,7 +155,7 @@ def test_exp_run_and_make_repro_run_the_same(repo: tuple[Path, dict], v1: dict) 
     assert exp["outputs"]["adapter"]["files"] == rep["outputs"]["adapter"]["files"]
     assert v1["exp_metrics"] == (root / "outputs/train/metrics.json").read_bytes()
     # no Hydra run folders or log files next to the declared outputs
-    assert v1["exp_outputs"] == sorted(p.name for p in (root / "outputs").iterdir()) == ["adapter", "train"]
+    assert v1["exp_outputs"] == sorted(p.name for p in (root / "outputs").iterdir()) == ["adapter", "eval", "train"]
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["learning_rate"] == 1e-4
     assert "Running stage 'train'" in v1["log"]
@@ -236,7 +236,7 @@ def test_verify_a_git_revision(repo: tuple[Path, dict], v1: dict, v2: dict) -> N
                           capture_output=True, text=True, timeout=900)
     print(proc.stdout[-1500:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("RESULT: identical") == 2  # prepare and train
+    assert proc.stdout.count("RESULT: identical") == 3  # prepare, train and eval
     assert "verify train at v1" in proc.stdout and "output adapter" in proc.stdout
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=root, capture_output=True, text=True).stdout
     assert len(worktrees.strip().splitlines()) == 1  # the temporary worktree is gone

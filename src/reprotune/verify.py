@@ -168,6 +168,10 @@ def copy_inputs(manifest: dict, root: Path, tmp: Path) -> None:
             shutil.copy2(src, dst)
 
 
+# DVC stage name -> module, where they differ ("eval" would shadow nothing, but reads badly as a module)
+STAGE_MODULES = {"eval": "evaluate"}
+
+
 def rerun_stage(manifest: dict, root: Path, tmp: Path, overrides: list[str]) -> dict:
     """Run the recorded stage with the recorded config (outputs re-rooted to tmp); return its new manifest."""
     config = json.loads(json.dumps(manifest["config"]))
@@ -181,7 +185,8 @@ def rerun_stage(manifest: dict, root: Path, tmp: Path, overrides: list[str]) -> 
     (tmp / "verify-config.yaml").write_text(yaml.safe_dump(primary, sort_keys=False))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", f"reprotune.{manifest['stage']}", "--config-dir", str(tmp),
+    module = STAGE_MODULES.get(manifest["stage"], manifest["stage"])
+    cmd = [sys.executable, "-m", f"reprotune.{module}", "--config-dir", str(tmp),
            "--config-name", "verify-config", *overrides]
     print(f"verify: re-running stage '{manifest['stage']}' in {tmp}", flush=True)
     proc = subprocess.run(cmd, env=env, cwd=Path.cwd())
