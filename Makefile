@@ -63,3 +63,35 @@ lint: venv ## ruff
 .PHONY: clean
 clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and raw data)
 	rm -rf outputs data/prepared
+
+# ---- Containers: the pinned image (docker/Dockerfile) and RUNNER=docker ------------------------------------------
+#   make docker-build VARIANT=cpu|cuda          build reprotune:<variant> (README, "Containers")
+#   make train RUNNER=docker ARGS="..."         any target: every recipe line runs inside the image
+RUNNER ?= local
+DOCKER ?= docker
+REPROTUNE_IMAGE ?= reprotune:$(VARIANT)
+
+.PHONY: docker-build
+docker-build: ## Build the image reprotune:<VARIANT> from docker/Dockerfile (LLAMA_CPP=0 skips llama.cpp's tools)
+	@VARIANT=$(VARIANT) DOCKER=$(DOCKER) REPROTUNE_IMAGE=$(REPROTUNE_IMAGE) bash scripts/docker_build.sh
+
+.PHONY: docker-test
+docker-test: venv ## The image checks alone: hadolint, digest pins, build, smoke run (--network=none), rebuild identity
+	$(PY) -m pytest -m docker tests/test_docker.py $(PYTEST_ARGS)
+
+ifeq ($(RUNNER),docker)
+ifneq ($(REPROTUNE_IN_CONTAINER),1)
+# make decides what is out of date here; scripts/docker_shell.sh runs each recipe line in the image, with this
+# checkout at /workspace and the image's locked environment (its stamp is current, so 'venv' rebuilds nothing).
+VARIANT := $(VARIANT)
+VENV := /opt/venv
+PY := $(VENV)/bin/python
+PYTHONPATH := /workspace/src
+export DOCKER_VARIANT := $(VARIANT)
+export REPROTUNE_IMAGE DOCKER
+SHELL := $(CURDIR)/scripts/docker_shell.sh
+help docker-build: SHELL := /bin/bash
+endif
+else ifneq ($(RUNNER),local)
+$(error RUNNER=$(RUNNER): use RUNNER=local (the default) or RUNNER=docker)
+endif
