@@ -13,6 +13,18 @@ image=${REPROTUNE_IMAGE:-reprotune:$variant}
 MIN_DRIVER=580   # CUDA 13.0 (PyPI torch 2.13) needs an R580+ driver
 die() { echo "RUNNER=docker: $*" >&2; exit 2; }
 
+# The driver first: a CUDA 13 image on an older driver fails later with an obscure CUDA error.
+gpus=()
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if [ "$variant" = cuda ]; then
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+    [ "${driver%%.*}" -ge "$MIN_DRIVER" ] 2>/dev/null \
+      || die "host NVIDIA driver $driver is too old for $image (CUDA 13.0 needs driver >= $MIN_DRIVER); update the driver"
+  fi
+  gpus=(--gpus all)
+elif [ "$variant" = cuda ]; then
+  echo "RUNNER=docker: no NVIDIA GPU on this host; $image runs on the CPU" >&2
+fi
 command -v "$DOCKER" >/dev/null 2>&1 || die "no docker client ($DOCKER); install Docker or run without RUNNER=docker"
 "$DOCKER" info >/dev/null 2>&1 || die "no Docker engine reachable (DOCKER_HOST=${DOCKER_HOST:-default}); start one (e.g. eval \"\$(bash scripts/docker_engine.sh start)\")"
 "$DOCKER" image inspect "$image" >/dev/null 2>&1 || die "no image $image; build it: make docker-build VARIANT=$variant"
@@ -29,19 +41,9 @@ common=$(git -C "$repo" rev-parse --path-format=absolute --git-common-dir 2>/dev
 case "$common" in "" | "$repo/.git") ;; *) run+=(-v "$common:$common:ro") ;; esac
 # Outputs on the mount belong to whoever runs make (the image's own user is uid 1000, for pods)
 uid=$(id -u); gid=$(id -g)
-run+=(--user "$uid:$gid")
+run+=(--user "$uid:$gid" "${gpus[@]}")
 [ "$uid" = 0 ] || [ "$uid" = 1000 ] || run+=(-e HOME=/tmp)
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  if [ "$variant" = cuda ]; then
-    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
-    [ "${driver%%.*}" -ge "$MIN_DRIVER" ] 2>/dev/null \
-      || die "host NVIDIA driver $driver is too old for $image (CUDA 13.0 needs driver >= $MIN_DRIVER); update the driver"
-  fi
-  run+=(--gpus all)
-elif [ "$variant" = cuda ]; then
-  echo "RUNNER=docker: no NVIDIA GPU on this host; $image runs on the CPU" >&2
-fi
 
 # What make exported (seeds, thread settings, offline switches) and the user's HF_/WANDB_/REPROTUNE_ settings,
 # all by name. Host paths are not forwarded: in the container the caches live under /workspace/.cache.

@@ -7,8 +7,10 @@ The image builds FROM the pinned base, or FROM $REPROTUNE_DOCKER_BASE where no r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ def docker_client() -> str:
     return "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
 
 
+@functools.cache
 def engine_problem() -> str | None:
     docker = docker_client()
     if not shutil.which(docker):
@@ -66,9 +69,11 @@ def test_hadolint_clean() -> None:
 def test_every_from_is_digest_pinned() -> None:
     out = run([sys.executable, "scripts/check_dockerfile_pins.py", str(DOCKERFILE)], cwd=REPO)
     assert out.returncode == 0, out.stderr
-    text = DOCKERFILE.read_text()
-    assert "# syntax=" not in text, "a syntax directive pulls the frontend from Docker Hub"
-    assert "<<" not in text and "--link" not in text, "Docker 20.10's builtin frontend has no heredocs/COPY --link"
+    lines = DOCKERFILE.read_text().splitlines()
+    assert not any(re.match(r"#\s*syntax\s*=", line) for line in lines), "a syntax directive pulls from Docker Hub"
+    code = [line for line in lines if not line.lstrip().startswith("#")]
+    assert not any("<<" in line or "--link" in line for line in code), \
+        "Docker 20.10's builtin frontend has no heredocs or COPY --link"
 
 
 @pytest.mark.parametrize("dockerfile, message", [
@@ -109,6 +114,18 @@ def test_runner_docker_explains_a_missing_engine(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "RUNNER=docker: no docker client" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_runner_docker_refuses_an_old_driver(tmp_path: Path) -> None:
+    """Before any container starts: a CUDA 13 image on a driver older than R580 stops with the reason."""
+    fake = tmp_path / "bin/nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$*" in *query-gpu*) echo 550.54.15 ;; *) echo "GPU 0: Fake (UUID: GPU-0)" ;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "DOCKER": "/bin/false"}
+    out = run(["make", "prepare", "RUNNER=docker", "VARIANT=cuda"], cwd=REPO, env=env)
+    assert out.returncode != 0
+    assert "host NVIDIA driver 550.54.15 is too old for reprotune:cuda (CUDA 13.0 needs driver >= 580)" in out.stderr
 
 
 # ---- the image (needs an engine) ----------------------------------------------------------------------------------
@@ -216,6 +233,19 @@ def test_smoke_train_in_container_offline(image: dict, tmp_path: Path) -> None:
     assert "HF_TOKEN=" not in log
 
 
+@pytest.mark.docker
+@needs_engine
+def test_runner_docker_refuses_an_image_from_another_lock(image: dict, tmp_path: Path) -> None:
+    ws = workspace_copy(tmp_path / "ws")
+    with open(ws / "lockfiles/cpu.txt", "a") as fh:
+        fh.write("# changed after the image was built\n")
+    env = {**os.environ, "DOCKER": docker_client(), "REPROTUNE_IMAGE": IMAGE}
+    out = run(["make", "prepare", "RUNNER=docker", "VARIANT=cpu"], cwd=ws, env=env, timeout=120)
+    assert out.returncode != 0
+    assert f"RUNNER=docker: {IMAGE} was built from another lock" in out.stderr
+    assert not (ws / "data/prepared").exists()
+
+
 def env_listing(tag: str) -> str:
     """sha256 of every file and symlink under /opt/venv and /opt/reprotune/lockfiles, with modes, sorted."""
     script = ("import hashlib, os, stat, sys\n"
@@ -241,5 +271,6 @@ def test_rebuild_is_byte_identical(image: dict, ca_bundle: Path) -> None:
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     first, second = env_listing(IMAGE), env_listing(rebuilt)
     assert first.count("\n") > 10_000
+    run([docker_client(), "image", "rm", rebuilt])
     diff = sorted(set(first.splitlines()) ^ set(second.splitlines()))
     assert not diff, f"{len(diff)} lines differ, e.g. {diff[:6]}"
