@@ -130,8 +130,8 @@ def test_runner_docker_refuses_an_old_driver(tmp_path: Path) -> None:
 
 # ---- the image (needs an engine) ----------------------------------------------------------------------------------
 
-def build(tag: str, *flags: str, ca_bundle: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VARIANT": "cpu", "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(), "LLAMA_CPP": "0",
+def build(tag: str, *flags: str, ca_bundle: Path, variant: str = "cpu") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VARIANT": variant, "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(), "LLAMA_CPP": "0",
            "CA_BUNDLE": str(ca_bundle), "DOCKER_BUILD_FLAGS": " ".join(["--progress=plain", *flags])}
     return run(["bash", "scripts/docker_build.sh"], cwd=REPO, env=env, timeout=1800)
 
@@ -274,3 +274,22 @@ def test_rebuild_is_byte_identical(image: dict, ca_bundle: Path) -> None:
     run([docker_client(), "image", "rm", rebuilt])
     diff = sorted(set(first.splitlines()) ^ set(second.splitlines()))
     assert not diff, f"{len(diff)} lines differ, e.g. {diff[:6]}"
+
+
+@pytest.mark.docker
+@needs_engine
+@pytest.mark.skipif(os.environ.get("REPROTUNE_DOCKER_CUDA") != "1",
+                    reason="the CUDA image downloads ~2.9 GB of wheels: run with REPROTUNE_DOCKER_CUDA=1")
+def test_cuda_image_builds(ca_bundle: Path) -> None:
+    """The CUDA variant from the same Dockerfile: torch's CUDA 13 build and its hash-locked nvidia-* wheels.
+    (No GPU here: this proves the image, not a GPU run; torch falls back to the CPU.)"""
+    tag = "reprotune:cuda-test"
+    out = build(tag, ca_bundle=ca_bundle, variant="cuda")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    labels = json.loads(run([docker_client(), "image", "inspect", tag]).stdout)[0]["Config"]["Labels"]
+    assert labels["io.reprotune.variant"] == "cuda" and labels["io.reprotune.min-nvidia-driver"] == "580"
+    probe = run([docker_client(), "run", "--rm", "--network=none", tag, "python", "-c",
+                 "import torch, importlib.metadata as m; print(torch.__version__, torch.version.cuda, "
+                 "m.version('nvidia-cudnn-cu13'), torch.cuda.is_available())"], timeout=600)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["2.13.0", "13.0", "9.20.0.48", "False"]
