@@ -6,7 +6,14 @@ cd "$(dirname "$0")/.."
 DVC=${DVC:-.venv/bin/dvc}
 PY=${PY:-.venv/bin/python}
 
-up_to_date() { "$DVC" status data.dvc 2>/dev/null | grep -q "up to date"; }
+up_to_date() {
+  # A fresh clone has no DVC cache: data that matches data.dvc then shows as "not in cache" (changed data shows
+  # "modified"); caching it ('dvc commit' leaves data.dvc as it is when the hash matches) makes it up to date.
+  if "$DVC" status data.dvc 2>/dev/null | grep -q "data/raw: *not in cache\|not in cache: *data/raw"; then
+    "$DVC" commit -q -f data.dvc
+  fi
+  "$DVC" status data.dvc 2>/dev/null | grep -q "up to date"
+}
 
 if [ -d data/raw ] && up_to_date; then exit 0; fi
 if [ -n "$("$DVC" remote list 2>/dev/null)" ] && "$DVC" pull -q data.dvc 2>/dev/null && up_to_date; then
