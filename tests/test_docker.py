@@ -292,4 +292,4 @@ def test_cuda_image_builds(ca_bundle: Path) -> None:
                  "import torch, importlib.metadata as m; print(torch.__version__, torch.version.cuda, "
                  "m.version('nvidia-cudnn-cu13'), torch.cuda.is_available())"], timeout=600)
     assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.split() == ["2.13.0", "13.0", "9.20.0.48", "False"]
+    assert probe.stdout.split() == ["2.13.0+cu130", "13.0", "9.20.0.48", "False"]
