@@ -57,4 +57,5 @@ done
 image_ref=$("$DOCKER" image inspect -f '{{range .RepoDigests}}{{.}} {{end}}' "$image" | awk '{print $1}')
 run+=(-e PYTHONPATH=/workspace/src -e REPROTUNE_IMAGE_DIGEST="${image_ref:-$("$DOCKER" image inspect -f '{{.Id}}' "$image")}")
 # shellcheck disable=SC2086  # DOCKER_RUN_FLAGS is a list of flags (e.g. --network=none)
-exec "$DOCKER" "${run[@]}" ${DOCKER_RUN_FLAGS:-} "$image" bash "$@"
+# bash directly, not the image's entrypoint: it runs as --user already, with nothing to hand over or drop
+exec "$DOCKER" "${run[@]}" ${DOCKER_RUN_FLAGS:-} --entrypoint /bin/bash "$image" "$@"

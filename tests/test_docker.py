@@ -170,7 +170,7 @@ def test_image_config(image: dict) -> None:
 
     assert labels["io.reprotune.lock.sha256"] == hashlib.sha256(lock).hexdigest()
     assert labels["io.reprotune.variant"] == "cpu"
-    assert config["User"] == "1000:1000" and config["WorkingDir"] == "/workspace"
+    assert config["Entrypoint"] == ["/usr/local/bin/reprotune-entrypoint"] and config["WorkingDir"] == "/workspace"
     env = dict(e.split("=", 1) for e in config["Env"])
     assert env["HF_HOME"].startswith("/workspace/") and env["VENV"] == "/opt/venv"
     assert not any(k in env for k in ("HF_TOKEN", "WANDB_API_KEY", "PIP_CERT", "SSL_CERT_FILE"))
@@ -181,6 +181,20 @@ def test_image_config(image: dict) -> None:
     assert uid == "1000" and python.startswith("Python 3.11.")
     assert versions == "2.13.0+cpu /opt/reprotune/src/reprotune/__init__.py"
     assert secret == "nosecret"
+
+
+@pytest.mark.docker
+@needs_engine
+def test_pod_volume_owned_by_root_is_usable(image: dict, tmp_path: Path) -> None:
+    """A pod: the provider mounts a root-owned volume at /workspace and starts the image's entrypoint as root."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    os.chmod(volume, 0o755)
+    out = in_image("bash", "-c", "id -u && mkdir -p outputs/checkpoints && stat -c %u outputs/checkpoints",
+                   flags=("--network=none", "--user", "0:0", "-v", f"{volume}:/workspace"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1000", "1000"]
+    assert (volume / "outputs/checkpoints").stat().st_uid == 1000
 
 
 @pytest.mark.docker
