@@ -261,9 +261,9 @@ def test_runner_docker_refuses_an_image_from_another_lock(image: dict, tmp_path:
 
 
 def env_listing(tag: str) -> str:
-    """sha256 of every file and symlink under /opt/venv and /opt/reprotune/lockfiles, with modes, sorted."""
+    """sha256 of every file and symlink under /opt/venv (the installed environment), with modes, sorted."""
     script = ("import hashlib, os, stat, sys\n"
-              "for root in ('/opt/venv', '/opt/reprotune/lockfiles'):\n"
+              "for root in ('/opt/venv',):\n"
               "    for d, dirs, files in os.walk(root):\n"
               "        dirs.sort()\n"
               "        for f in sorted(files):\n"
