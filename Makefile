@@ -97,3 +97,35 @@ pull: venv ## Download data and outputs of the checked-out revision from the DVC
 verify: venv ## Re-run a recorded run in a temp dir and compare bytes: RUN=<manifest.json or git rev>
 	@test -n "$(RUN)" || { echo "usage: make verify RUN=outputs/train/manifest.json (or a git revision)" >&2; exit 2; }
 	$(PY) -m reprotune.verify $(RUN) $(ARGS)
+
+# ---- Containers: the pinned image (docker/Dockerfile) and RUNNER=docker ------------------------------------------
+#   make docker-build VARIANT=cpu|cuda          build reprotune:<variant> (README, "Containers")
+#   make train RUNNER=docker ARGS="..."         any target: every recipe line runs inside the image
+RUNNER ?= local
+DOCKER ?= docker
+REPROTUNE_IMAGE ?= reprotune:$(VARIANT)
+
+.PHONY: docker-build
+docker-build: ## Build the image reprotune:<VARIANT> from docker/Dockerfile (LLAMA_CPP=0 skips llama.cpp's tools)
+	@VARIANT=$(VARIANT) DOCKER=$(DOCKER) REPROTUNE_IMAGE=$(REPROTUNE_IMAGE) bash scripts/docker_build.sh
+
+.PHONY: docker-test
+docker-test: venv ## The image checks alone: hadolint, digest pins, build, smoke run (--network=none), rebuild identity
+	$(PY) -m pytest tests/test_docker.py $(PYTEST_ARGS)
+
+ifeq ($(RUNNER),docker)
+ifneq ($(REPROTUNE_IN_CONTAINER),1)
+# make decides what is out of date here; scripts/docker_shell.sh runs each recipe line in the image, with this
+# checkout at /workspace and the image's locked environment (its stamp is current, so 'venv' rebuilds nothing).
+VARIANT := $(VARIANT)
+VENV := /opt/venv
+PY := $(VENV)/bin/python
+PYTHONPATH := /workspace/src
+export DOCKER_VARIANT := $(VARIANT)
+export REPROTUNE_IMAGE DOCKER
+SHELL := $(CURDIR)/scripts/docker_shell.sh
+help docker-build: SHELL := /bin/bash
+endif
+else ifneq ($(RUNNER),local)
+$(error RUNNER=$(RUNNER): use RUNNER=local (the default) or RUNNER=docker)
+endif

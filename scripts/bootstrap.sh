@@ -42,6 +42,8 @@ fi
 echo "$want" > "$VENV.tmp/.reprotune-lock"
 rm -rf "$VENV"
 mv "$VENV.tmp" "$VENV"
-# venv scripts hard-code the folder they were made in; re-point them after the rename
-grep -rlI --exclude=*.pyc "$PWD/$VENV.tmp" "$VENV/bin" | xargs -r sed -i "s#$PWD/$VENV.tmp#$PWD/$VENV#g"
+# venv scripts hard-code the folder they were made in; re-point them after the rename (VENV may be absolute:
+# the image's /opt/venv)
+abs_venv=$(cd "$VENV" && pwd)
+{ grep -rlI --exclude=*.pyc "$abs_venv.tmp" "$VENV/bin" || true; } | xargs -r sed -i "s#$abs_venv.tmp#$abs_venv#g"
 echo "bootstrap: $VENV ready" >&2

@@ -1,0 +1,309 @@
+"""The image: lint and digest pins (always), then, with a Docker engine: build the CPU image, run the smoke train in
+it with no network, check labels and secrets, and rebuild it to prove the installed environment is byte-identical.
+
+CI gets an engine from scripts/docker_engine.sh (.ci/run). Without one the engine tests are skipped, with the reason.
+The image builds FROM the pinned base, or FROM $REPROTUNE_DOCKER_BASE where no registry is reachable (CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "docker/Dockerfile"
+IMAGE = os.environ.get("REPROTUNE_TEST_IMAGE", "reprotune:cpu-test")
+CANARY = "reprotune-secret-canary-7f3a"  # appended to the CA bundle secret and used as HF_TOKEN; must never persist
+
+
+def docker_client() -> str:
+    if os.environ.get("DOCKER"):
+        return os.environ["DOCKER"]
+    # Debian's 20.10 client builds with its builtin BuildKit; a newer client without buildx cannot build
+    return "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+
+
+@functools.cache
+def engine_problem() -> str | None:
+    docker = docker_client()
+    if not shutil.which(docker):
+        return f"no docker client ({docker})"
+    try:
+        info = subprocess.run([docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
+                              timeout=30)
+    except subprocess.TimeoutExpired:
+        return "docker info timed out"
+    if info.returncode != 0:
+        return f"no Docker engine reachable (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'default')})"
+    return None
+
+
+needs_engine = pytest.mark.skipif(bool(engine_problem()), reason=f"Docker image checks: {engine_problem()}; "
+                                  "run .ci/run or 'eval \"$(bash scripts/docker_engine.sh start)\"' first")
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def hadolint() -> str:
+    local = Path(sys.executable).parent / "hadolint"
+    return str(local) if local.exists() else "hadolint"
+
+
+# ---- static checks (no engine) ------------------------------------------------------------------------------------
+
+def test_hadolint_clean() -> None:
+    out = run([hadolint(), "--config", str(REPO / ".hadolint.yaml"), str(DOCKERFILE)])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_from_is_digest_pinned() -> None:
+    out = run([sys.executable, "scripts/check_dockerfile_pins.py", str(DOCKERFILE)], cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    lines = DOCKERFILE.read_text().splitlines()
+    assert not any(re.match(r"#\s*syntax\s*=", line) for line in lines), "a syntax directive pulls from Docker Hub"
+    code = [line for line in lines if not line.lstrip().startswith("#")]
+    assert not any("<<" in line or "--link" in line for line in code), \
+        "Docker 20.10's builtin frontend has no heredocs or COPY --link"
+
+
+@pytest.mark.parametrize("dockerfile, message", [
+    ("FROM axolotlai/axolotl-cloud:main-latest\n", "Dockerfile:1: FROM axolotlai/axolotl-cloud:main-latest: not pinned"),
+    ("FROM debian@sha256:" + "a" * 64 + "\n", "not pinned by tag and digest"),
+    ("ARG BASE=debian:12\nFROM ${BASE} AS os\nFROM os\n", "Dockerfile:2: FROM debian:12: not pinned"),
+    ("ARG BASE\nFROM $BASE\n", "Dockerfile:2: FROM $BASE: the ARG has no default image"),
+    ("FROM debian:12@sha256:" + "a" * 64 + " AS a\nRUN true\nFROM \\\n  python:3.11\n", "Dockerfile:3: FROM python:3.11"),
+])
+def test_pin_check_rejects(tmp_path: Path, dockerfile: str, message: str) -> None:
+    path = tmp_path / "Dockerfile"
+    path.write_text(dockerfile)
+    out = run([sys.executable, str(REPO / "scripts/check_dockerfile_pins.py"), str(path)], cwd=tmp_path)
+    assert out.returncode == 1
+    assert message in out.stderr
+
+
+def test_pin_check_accepts_stage_references(tmp_path: Path) -> None:
+    path = tmp_path / "Dockerfile"
+    path.write_text("ARG B=docker.io/library/debian:12.12-slim@sha256:" + "0" * 64 + "\nFROM ${B} AS os\n"
+                    "FROM os AS env\nFROM env\n")
+    out = run([sys.executable, str(REPO / "scripts/check_dockerfile_pins.py"), str(path)])
+    assert out.returncode == 0, out.stderr
+
+
+def test_runner_docker_runs_recipes_with_the_image_env() -> None:
+    out = run(["make", "-n", "train", "RUNNER=docker", "VARIANT=cpu"], cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "/opt/venv/bin/python -m reprotune.train" in out.stdout
+    assert ".venv/bin" not in out.stdout
+    bad = run(["make", "-n", "train", "RUNNER=podman"], cwd=REPO)
+    assert bad.returncode != 0 and "RUNNER=podman: use RUNNER=local" in bad.stderr
+
+
+def test_runner_docker_explains_a_missing_engine(tmp_path: Path) -> None:
+    env = {**os.environ, "DOCKER": str(tmp_path / "no-such-docker")}
+    out = run(["make", "prepare", "RUNNER=docker", "VARIANT=cpu"], cwd=REPO, env=env)
+    assert out.returncode != 0
+    assert "RUNNER=docker: no docker client" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_runner_docker_refuses_an_old_driver(tmp_path: Path) -> None:
+    """Before any container starts: a CUDA 13 image on a driver older than R580 stops with the reason."""
+    fake = tmp_path / "bin/nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$*" in *query-gpu*) echo 550.54.15 ;; *) echo "GPU 0: Fake (UUID: GPU-0)" ;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "DOCKER": "/bin/false"}
+    out = run(["make", "prepare", "RUNNER=docker", "VARIANT=cuda"], cwd=REPO, env=env)
+    assert out.returncode != 0
+    assert "host NVIDIA driver 550.54.15 is too old for reprotune:cuda (CUDA 13.0 needs driver >= 580)" in out.stderr
+
+
+# ---- the image (needs an engine) ----------------------------------------------------------------------------------
+
+def build(tag: str, *flags: str, ca_bundle: Path, variant: str = "cpu") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VARIANT": variant, "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(), "LLAMA_CPP": "0",
+           "CA_BUNDLE": str(ca_bundle), "DOCKER_BUILD_FLAGS": " ".join(["--progress=plain", *flags])}
+    return run(["bash", "scripts/docker_build.sh"], cwd=REPO, env=env, timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def ca_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The host's CA bundle (TLS-intercepting egress needs it) plus a canary line that must never reach a layer."""
+    host = Path(os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
+    bundle = tmp_path_factory.mktemp("ca") / "cabundle.pem"
+    bundle.write_text((host.read_text() if host.is_file() else "") + f"\n# {CANARY}\n")
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def image(ca_bundle: Path) -> dict:
+    out = build(IMAGE, ca_bundle=ca_bundle)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    inspect = run([docker_client(), "image", "inspect", IMAGE])
+    assert inspect.returncode == 0, inspect.stderr
+    return json.loads(inspect.stdout)[0]
+
+
+def in_image(*cmd: str, flags: tuple[str, ...] = ("--network=none",)) -> subprocess.CompletedProcess[str]:
+    return run([docker_client(), "run", "--rm", *flags, IMAGE, *cmd], timeout=600)
+
+
+@pytest.mark.docker
+@needs_engine
+def test_image_config(image: dict) -> None:
+    config = image["Config"]
+    labels = config["Labels"]
+    head = run(["git", "rev-parse", "HEAD"], cwd=REPO).stdout.strip()
+    assert labels["org.opencontainers.image.revision"].removesuffix("-dirty") == head
+    lock = (REPO / "lockfiles/cpu.txt").read_bytes() + (REPO / "lockfiles/builtin-model.txt").read_bytes()
+    import hashlib
+
+    assert labels["io.reprotune.lock.sha256"] == hashlib.sha256(lock).hexdigest()
+    assert labels["io.reprotune.variant"] == "cpu"
+    assert config["Entrypoint"] == ["/usr/local/bin/reprotune-entrypoint"] and config["WorkingDir"] == "/workspace"
+    env = dict(e.split("=", 1) for e in config["Env"])
+    assert env["HF_HOME"].startswith("/workspace/") and env["VENV"] == "/opt/venv"
+    assert not any(k in env for k in ("HF_TOKEN", "WANDB_API_KEY", "PIP_CERT", "SSL_CERT_FILE"))
+    whoami = in_image("bash", "-c", "id -u; python --version; python -c 'import torch, reprotune; "
+                      "print(torch.__version__, reprotune.__file__)'; test ! -e /run/secrets/cabundle && echo nosecret")
+    assert whoami.returncode == 0, whoami.stderr
+    uid, python, versions, secret = whoami.stdout.split("\n")[:4]
+    assert uid == "1000" and python.startswith("Python 3.11.")
+    assert versions == "2.13.0+cpu /opt/reprotune/src/reprotune/__init__.py"
+    assert secret == "nosecret"
+
+
+@pytest.mark.docker
+@needs_engine
+def test_pod_volume_owned_by_root_is_usable(image: dict, tmp_path: Path) -> None:
+    """A pod: the provider mounts a root-owned volume at /workspace and starts the image's entrypoint as root."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    os.chmod(volume, 0o755)
+    out = in_image("bash", "-c", "id -u && mkdir -p outputs/checkpoints && stat -c %u outputs/checkpoints",
+                   flags=("--network=none", "--user", "0:0", "-v", f"{volume}:/workspace"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1000", "1000"]
+    assert (volume / "outputs/checkpoints").stat().st_uid == 1000
+
+
+@pytest.mark.docker
+@needs_engine
+def test_ca_secret_never_reaches_a_layer(image: dict) -> None:
+    """docker save streams every layer and the config: the canary in the CA secret must be in none of them."""
+    save = subprocess.Popen([docker_client(), "save", IMAGE], stdout=subprocess.PIPE)
+    needle, tail, found, size = CANARY.encode(), b"", False, 0
+    assert save.stdout is not None
+    while chunk := save.stdout.read(1 << 22):
+        size += len(chunk)
+        found = found or needle in tail + chunk
+        tail = chunk[-len(needle):]
+    assert save.wait() == 0 and size > 100_000_000
+    assert not found, "the CA bundle secret was written into the image"
+
+
+def workspace_copy(dest: Path) -> Path:
+    """This checkout's files (tracked + untracked, not ignored) as a fresh git repository, as CI would clone it."""
+    files = run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO).stdout.split("\0")
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.email=ci@reprotune", "-c", "user.name=ci", "commit", "-qm", "ws"]):
+        assert run(["git", *cmd], cwd=dest).returncode == 0
+    return dest
+
+
+@pytest.mark.docker
+@needs_engine
+def test_smoke_train_in_container_offline(image: dict, tmp_path: Path) -> None:
+    ws = workspace_copy(tmp_path / "ws")
+    env = {k: v for k, v in os.environ.items() if k not in ("REPROTUNE_CACHE", "PYTHONPATH")}
+    env.update(DOCKER=docker_client(), HF_TOKEN=CANARY, WANDB_API_KEY=CANARY + "-wandb", REPROTUNE_IMAGE=IMAGE,
+               DOCKER_RUN_FLAGS="--network=none")
+    out = run(["make", "test-smoke", "RUNNER=docker", "VARIANT=cpu"], cwd=ws, env=env, timeout=900)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert (ws / "outputs/adapter/adapter_model.safetensors").is_file()
+    manifest_text = (ws / "outputs/train/manifest.json").read_text()
+    manifest = json.loads(manifest_text)
+    assert manifest["runtime"]["container_image"] == image["Id"]
+    assert manifest["runtime"]["torch"] == "2.13.0+cpu"
+    assert manifest["lock"]["sha256"] is not None and manifest["git"]["commit"] is not None
+    for text in (log, manifest_text, *(p.read_text(errors="replace") for p in (ws / "outputs").rglob("*.json"))):
+        assert CANARY not in text, "a secret value reached a log or an output"
+    # the tokens were passed by name: the command lines docker received held no value
+    assert "HF_TOKEN=" not in log
+
+
+@pytest.mark.docker
+@needs_engine
+def test_runner_docker_refuses_an_image_from_another_lock(image: dict, tmp_path: Path) -> None:
+    ws = workspace_copy(tmp_path / "ws")
+    with open(ws / "lockfiles/cpu.txt", "a") as fh:
+        fh.write("# changed after the image was built\n")
+    env = {**os.environ, "DOCKER": docker_client(), "REPROTUNE_IMAGE": IMAGE}
+    out = run(["make", "prepare", "RUNNER=docker", "VARIANT=cpu"], cwd=ws, env=env, timeout=120)
+    assert out.returncode != 0
+    assert f"RUNNER=docker: {IMAGE} was built from another lock" in out.stderr
+    assert not (ws / "data/prepared").exists()
+
+
+def env_listing(tag: str) -> str:
+    """sha256 of every file and symlink under /opt/venv (the installed environment), with modes, sorted."""
+    script = ("import hashlib, os, stat, sys\n"
+              "for root in ('/opt/venv',):\n"
+              "    for d, dirs, files in os.walk(root):\n"
+              "        dirs.sort()\n"
+              "        for f in sorted(files):\n"
+              "            p = os.path.join(d, f); st = os.lstat(p)\n"
+              "            data = os.readlink(p).encode() if stat.S_ISLNK(st.st_mode) else open(p, 'rb').read()\n"
+              "            print(oct(st.st_mode), hashlib.sha256(data).hexdigest(), p)\n")
+    out = run([docker_client(), "run", "--rm", "--network=none", tag, "/usr/bin/python3.11", "-c", script], timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.docker
+@needs_engine
+def test_rebuild_is_byte_identical(image: dict, ca_bundle: Path) -> None:
+    """--no-cache re-runs apt and the whole locked install (pip's download cache is a cache mount, so only the
+    downloads are reused); every installed byte must come out the same."""
+    rebuilt = IMAGE + "-rebuild"
+    out = build(rebuilt, "--no-cache", "--target", "env", ca_bundle=ca_bundle)  # the stages that install /opt/venv
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    first, second = env_listing(IMAGE), env_listing(rebuilt)
+    assert first.count("\n") > 10_000
+    run([docker_client(), "image", "rm", rebuilt])
+    diff = sorted(set(first.splitlines()) ^ set(second.splitlines()))
+    assert not diff, f"{len(diff)} lines differ, e.g. {diff[:6]}"
+
+
+@pytest.mark.docker
+@needs_engine
+@pytest.mark.skipif(os.environ.get("REPROTUNE_DOCKER_CUDA") != "1",
+                    reason="the CUDA image downloads ~2.9 GB of wheels: run with REPROTUNE_DOCKER_CUDA=1")
+def test_cuda_image_builds(ca_bundle: Path) -> None:
+    """The CUDA variant from the same Dockerfile: torch's CUDA 13 build and its hash-locked nvidia-* wheels.
+    (No GPU here: this proves the image, not a GPU run; torch falls back to the CPU.)"""
+    tag = "reprotune:cuda-test"
+    out = build(tag, ca_bundle=ca_bundle, variant="cuda")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    labels = json.loads(run([docker_client(), "image", "inspect", tag]).stdout)[0]["Config"]["Labels"]
+    assert labels["io.reprotune.variant"] == "cuda" and labels["io.reprotune.min-nvidia-driver"] == "580"
+    probe = run([docker_client(), "run", "--rm", "--network=none", tag, "python", "-c",
+                 "import torch, importlib.metadata as m; print(torch.__version__, torch.version.cuda, "
+                 "m.version('nvidia-cudnn-cu13'), torch.cuda.is_available())"], timeout=600)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["2.13.0+cu130", "13.0", "9.20.0.48", "False"]
