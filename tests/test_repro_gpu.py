@@ -1,6 +1,6 @@
 """repro=strict on a GPU: two runs of the built-in model give byte-identical adapters.
 
-Skipped without CUDA (this is the H200 check; bench/repro_gpu.py also measures what strict costs).
+Skipped without CUDA (this is the H200 check; bench/determinism.py measures what strict costs).
 """
 
 from __future__ import annotations
