@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 # The model is the built-in one; a host without it (or a bigger check) names another and extra overrides, e.g.
 # REPROTUNE_GPU_TEST_ARGS="model=llama32_1b_random model.random_init.tokenizer_dir=/path/to/tokenizer"
-STRICT = ["model=smollm2_135m", *os.environ.get("REPROTUNE_GPU_TEST_ARGS", "").split(), "hardware=gpu", "repro=strict", "train.max_steps=12", "train.save_steps=100",
+STRICT = [*(os.environ.get("REPROTUNE_GPU_TEST_ARGS", "").split() or ["model=smollm2_135m"]), "hardware=gpu", "repro=strict", "train.max_steps=12", "train.save_steps=100",
           "train.logging_steps=4"]
 
 
