@@ -27,7 +27,7 @@ STRICT = [*(os.environ.get("REPROTUNE_GPU_TEST_ARGS", "").split() or ["model=smo
 
 
 def train_subprocess(root: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "reprotune.train", *STRICT, f"paths.root={root}"], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
