@@ -154,7 +154,7 @@ def test_bad_input_leaves_earlier_outputs_intact(tmp_path: Path) -> None:
         f"{bad}:1: messages: no assistant turn (nothing for the model to learn)",
         f"{bad}:2: json: invalid JSON: Expecting property name enclosed in double quotes at column 2"]
     assert snapshot(tmp_path) == before
-    assert sorted(p.name for p in (tmp_path / "data/prepared").iterdir()) == sorted(OUTPUTS)  # no temp files left
+    assert sorted(p.name for p in (tmp_path / "data/prepared").iterdir()) == sorted((*OUTPUTS, "manifest.json"))  # no temp files
 
 
 def test_cli_reports_problems_without_traceback(tmp_path: Path) -> None:
