@@ -49,7 +49,7 @@ if [ ! -f "$dir/done" ]; then
   # progress: ninja's step counter, one line every 20 s
   while kill -0 "$pid" 2>/dev/null; do
     sleep 20
-    step=$(grep -oE '^\[[0-9]+/[0-9]+\]' "$dir.tmp/build.log" | tail -1 || true)
+    step=$(grep -oE '^\s*\[[0-9]+/[0-9]+\]' "$dir.tmp/build.log" | tail -1 | tr -d ' ' || true)
     log "  ${step:-configuring} ($(( $(date +%s) - start )) s)"
   done
   if ! wait "$pid"; then
@@ -65,9 +65,9 @@ fi
 
 # Install into the venv when it lacks this exact build (a rebuilt .venv only costs a reinstall).
 wheel=$(ls "$dir"/wheel/llama_cpp_python-*.whl)
-stamp="$VENV/.llama-cpp-$version-$key"
+stamp="$VENV/.llama-cpp-$version-$key-$(sha256sum "$LOCK" | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  log "installing $(basename "$wheel") and its [server] extra into $VENV"
+  log "installing $(basename "$wheel") (+ lockfiles/llama-cpp.txt) into $VENV"
   # every pin but llama-cpp-python itself (its entry runs until the line without a trailing backslash)
   awk '/^llama-cpp-python==/{skip=1} !skip && !/^#/{print} skip && !/\\$/{skip=0}' "$LOCK" > "$dir/server-req.txt"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r "$dir/server-req.txt"

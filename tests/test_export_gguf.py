@@ -102,20 +102,19 @@ def test_gguf_without_pre_tokenizer_is_refused(exported: tuple[Path, list[str]],
 
 
 def test_chat_template_drift_is_a_hard_failure(exported: tuple[Path, list[str]]) -> None:
-    from llama_cpp import Llama
     from transformers import AutoTokenizer
 
-    from reprotune.gguf import check_template_and_tokens, prompts_of
+    from reprotune.gguf import check_template_and_tokens, load_vocab, prompts_of
     from reprotune.merge import read_holdout
 
     root, overrides = exported
     tokenizer = AutoTokenizer.from_pretrained(root / "outputs/merged")
     prompts = prompts_of(read_holdout(compose(overrides)))[:2]
-    llm = Llama(model_path=str(root / "outputs/gguf/model-Q4_K_M.gguf"), vocab_only=True, verbose=False)
-    assert len(check_template_and_tokens(llm, tokenizer, prompts, "q4")) == 2
+    vocab = load_vocab(root / "outputs/gguf/model-Q4_K_M.gguf")
+    assert len(check_template_and_tokens(vocab, tokenizer, prompts, "q4")) == 2
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>assistant\n", "<|im_start|>assistant ")
     with pytest.raises(SystemExit, match="its chat template renders holdout prompt 0 differently"):
-        check_template_and_tokens(llm, tokenizer, prompts, "q4")
+        check_template_and_tokens(vocab, tokenizer, prompts, "q4")
 
 
 def test_unknown_quant_type_fails_before_any_work(exported: tuple[Path, list[str]], tmp_path: Path) -> None:

@@ -88,26 +88,37 @@ def convert(src: Path, merged: Path, out: Path, outtype: str) -> None:
     raise ExportError(f"gguf: convert_hf_to_gguf.py failed on {merged}: {last[0]}")
 
 
+def load_vocab(path: Path):
+    """The GGUF's vocabulary and metadata only (llama.cpp's vocab_only load: no weights, no context)."""
+    from llama_cpp import _internals, llama_cpp
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with llamacpp.captured_log():  # quiet: check_loads_cleanly reads the log where it matters
+        return _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
+
+
 def check_loads_cleanly(path: Path) -> dict[str, Any]:
     """Load the GGUF's vocabulary with llama.cpp and fail on any warning that it degrades generation."""
-    from llama_cpp import Llama
+    from llama_cpp import _internals, llama_cpp
 
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
     with llamacpp.captured_log() as lines:
-        llm = Llama(model_path=str(path), vocab_only=True, verbose=True)
+        vocab = _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
     bad = llamacpp.degrading_warnings(lines)
     if bad:
         raise ExportError(f"gguf: llama.cpp warns about {path.name}: {bad[0]}")
-    eog = eog_ids(llm)
-    del llm
-    return {"warnings": [t.strip() for level, t in lines if level == 2], "eog_ids": eog}
+    eog = eog_ids(vocab)
+    vocab.close()
+    return {"warnings": llamacpp.warnings_of(lines), "eog_ids": eog}
 
 
-def eog_ids(llm) -> list[int]:
+def eog_ids(vocab) -> list[int]:
     """Token ids llama.cpp ends generation on (the end-of-turn set of the GGUF)."""
     import llama_cpp
 
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    return [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    return [i for i in range(vocab.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab.vocab, i)]
 
 
 # --------------------------------------------------------------------------------------------- quantize
@@ -133,7 +144,7 @@ def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
         rc = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(out).encode(), ctypes.byref(params))
     bar.close()
     if rc != 0:
-        errors = [t.strip() for level, t in lines if level == 3] or ["(no message)"]
+        errors = llamacpp.warnings_of(lines) or ["(no message)"]
         raise ExportError(f"gguf: quantizing {src_gguf.name} to {quant} failed: {errors[-1]}")
 
 
@@ -147,11 +158,13 @@ def prompts_of(conversations: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
-def check_template_and_tokens(llm, tokenizer, prompts: list[list[dict]], name: str) -> list[list[int]]:
-    """The GGUF's own chat template and tokenizer must turn every prompt into the HF ids (hard failure)."""
+def check_template_and_tokens(vocab, tokenizer, prompts: list[list[dict]], name: str) -> list[list[int]]:
+    """The GGUF's own chat template and tokenizer must turn every prompt into the HF ids (hard failure).
+
+    The template is rendered the way llama-cpp-python's server renders it (Jinja2ChatFormatter)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    template = llm.metadata.get("tokenizer.chat_template")
+    template = vocab.metadata().get("tokenizer.chat_template")
     if not template:
         raise ExportError(f"gguf: {name} carries no chat template (tokenizer.chat_template)")
     formatter = Jinja2ChatFormatter(template=template, eos_token=tokenizer.eos_token or "",
@@ -164,7 +177,7 @@ def check_template_and_tokens(llm, tokenizer, prompts: list[list[dict]], name: s
         if formatter(messages=messages).prompt != text:
             raise ExportError(f"gguf: {name}: its chat template renders holdout prompt {n} differently from "
                               "the HF tokenizer's chat template")
-        cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        cpp_ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         if cpp_ids != hf_ids:
             at = next((i for i, (a, b) in enumerate(zip(cpp_ids, hf_ids, strict=False)) if a != b),
                       min(len(cpp_ids), len(hf_ids)))
@@ -293,12 +306,14 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         report["type_mix"][name] = type_mix(info)
         if info["metadata"]["tokenizer.ggml.pre"] in (None, "default"):
             raise ExportError(f"gguf: {filename} has no pre-tokenizer type; llama.cpp would guess")
-        llm = Llama(model_path=str(tmp / filename), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n_threads,
-                    seed=int(cfg.seed), verbose=False)
-        prompt_ids = check_template_and_tokens(llm, tokenizer, prompts, filename)
+        vocab = load_vocab(tmp / filename)
+        prompt_ids = check_template_and_tokens(vocab, tokenizer, prompts, filename)
+        vocab.close()
         report["tokenization"][name] = {"identical": True, "prompts": len(prompt_ids),
                                         "tokens": sum(map(len, prompt_ids))}
         t0 = time.time()
+        llm = Llama(model_path=str(tmp / filename), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n_threads,
+                    seed=int(cfg.seed), verbose=False)
         out = greedy_llama(llm, prompt_ids[: len(greedy_prompts)], max_new, set(eog))
         timing[f"greedy_{name}_seconds"] = round(time.time() - t0, 2)
         report["greedy"][name] = compare_greedy(hf_out, out)

@@ -66,7 +66,7 @@ def version() -> str:
 def captured_log(on_line: Callable[[int, str], None] | None = None) -> Iterator[list[tuple[int, str]]]:
     """Collect llama.cpp's log lines (level, text) while the block runs; optionally watch each one.
 
-    Levels follow ggml: 1 info, 2 warn, 3 error, 4 debug, 5 continuation of the previous line.
+    Levels follow ggml.h of the pinned llama.cpp: 1 debug, 2 info, 3 warn, 4 error, 5 continuation.
     """
     import llama_cpp
     import llama_cpp._logger as default_logger
@@ -87,9 +87,16 @@ def captured_log(on_line: Callable[[int, str], None] | None = None) -> Iterator[
         llama_cpp.llama_log_set(default_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
+WARN, ERROR = 3, 4
+
+
 def degrading_warnings(lines: list[tuple[int, str]]) -> list[str]:
-    return sorted({text.strip() for level, text in lines if level in (2, 3)
-                   and any(w in text for w in DEGRADING_WARNINGS)})
+    """Lines in which llama.cpp says generation will be wrong (matched at any level: the phrases are specific)."""
+    return sorted({text.strip() for _, text in lines if any(w in text for w in DEGRADING_WARNINGS)})
+
+
+def warnings_of(lines: list[tuple[int, str]]) -> list[str]:
+    return [text.strip() for level, text in lines if level in (WARN, ERROR) and text.strip()]
 
 
 def gguf_info(src: Path, gguf: Path) -> dict[str, Any]:
