@@ -99,7 +99,19 @@ def test_modelfile_from_stop_and_system(exported: tuple[Path, dict]) -> None:
     assert train_system["role"] == "system" and modelfile["SYSTEM"] == [train_system["content"]]
 
 
-def test_a_template_that_rewrites_content_is_refused() -> None:
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ CONTENT }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, why", [
+    (CHATML.replace("CONTENT", "m['content'] | upper"), "rewrites message contents"),
+    (CHATML.replace("CONTENT", "m['content']") + "{% if messages | length > 2 %}(long){% endif %}",
+     "does not wrap messages uniformly"),
+    (CHATML.replace("CONTENT", "m['content']")
+     .replace("<|im_start|>{{ m['role'] }}", "{% if m['role'] == 'user' and loop.index0 == 2 %}<u2>{% endif %}"
+              "<|im_start|>{{ m['role'] }}"), "role logic beyond fixed wrapping"),
+], ids=["rewrites-content", "length-dependent", "position-dependent"])
+def test_a_template_that_is_not_fixed_wrapping_is_refused(template: str, why: str) -> None:
     from transformers import AutoTokenizer
 
     from reprotune.config import compose
@@ -107,8 +119,6 @@ def test_a_template_that_rewrites_content_is_refused() -> None:
 
     cfg = compose(["model=tiny_random"])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model, cfg.paths.model_cache))
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
-                               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                               "{% endif %}{% if messages | length > 2 %}(long){% endif %}")
-    with pytest.raises(TemplateError, match="role logic beyond fixed wrapping"):
+    tokenizer.chat_template = template
+    with pytest.raises(TemplateError, match=f"{why}.*write the Ollama TEMPLATE by hand"):
         probe(tokenizer)

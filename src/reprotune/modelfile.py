@@ -16,7 +16,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-S, U, A, U2, A2 = "\x01SYS\x01", "\x01USR\x01", "\x01AST\x01", "\x01USR2\x01", "\x01AST2\x01"
+# lower-case markers: a template that changes case (or strips, escapes, ...) no longer contains them
+S, U, A, U2 = "\x01sys\x01", "\x01usr\x01", "\x01ast\x01", "\x01usr2\x01"
 
 
 class TemplateError(SystemExit):
@@ -42,7 +43,8 @@ def _between(text: str, left: str, right: str) -> str:
 
 def _strip_prefix(text: str, prefix: str, what: str) -> str:
     if not text.startswith(prefix):
-        raise TemplateError(f"modelfile: the chat template does not wrap messages uniformly ({what})")
+        raise TemplateError(f"modelfile: the chat template does not wrap messages uniformly ({what}); "
+                            "write the Ollama TEMPLATE by hand")
     return text[len(prefix):]
 
 
@@ -61,9 +63,10 @@ def probe(tokenizer) -> ChatPieces:
         with_prompt = render([sys_, usr], generation=True)
         nosys = render([usr, ast])
     except Exception as err:  # the template rejected a plain system/user/assistant conversation
-        raise TemplateError(f"modelfile: the chat template cannot render a plain conversation: {err}") from None
+        raise TemplateError(f"modelfile: the chat template cannot render a plain conversation ({err}); "
+                            "write the Ollama TEMPLATE by hand") from None
     if any(m not in full for m in (S, U, A, U2)):
-        raise TemplateError("modelfile: the chat template rewrites message contents; write the TEMPLATE by hand")
+        raise TemplateError("modelfile: the chat template rewrites message contents; write the Ollama TEMPLATE by hand")
     user_end = ends_user[ends_user.index(U) + len(U):]
     assistant_end = ends_assistant[ends_assistant.index(A) + len(A):]
     system_to_user = _between(full, S, U)
@@ -72,7 +75,8 @@ def probe(tokenizer) -> ChatPieces:
     user_begin = _strip_prefix(assistant_to_user, assistant_end, "assistant end")
     system_end = system_to_user[: len(system_to_user) - len(user_begin)]
     if not system_to_user.endswith(user_begin):
-        raise TemplateError("modelfile: the chat template opens a user turn differently after a system message")
+        raise TemplateError("modelfile: the chat template opens a user turn differently after a system "
+                            "message; write the Ollama TEMPLATE by hand")
     pieces = ChatPieces(
         system_first=full[: full.index(S)],
         system_end=system_end,
