@@ -187,9 +187,11 @@ def check_template_and_tokens(vocab, tokenizer, prompts: list[list[dict]], name:
     return ids
 
 
-def greedy_llama(llm, prompt_ids: list[list[int]], max_new: int, eog: set[int]) -> list[list[int]]:
+def greedy_llama(llm, prompt_ids: list[list[int]], max_new: int, eog: set[int], name: str) -> list[list[int]]:
+    from tqdm import tqdm
+
     outputs = []
-    for ids in prompt_ids:
+    for ids in tqdm(prompt_ids, desc=f"greedy {name}", unit="prompt", file=sys.stderr):
         out: list[int] = []
         # temp 0 is llama.cpp's greedy sampler; no repetition penalty, like HF's generate
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -202,12 +204,13 @@ def greedy_llama(llm, prompt_ids: list[list[int]], max_new: int, eog: set[int]) 
 
 def greedy_hf(merged_dir: Path, prompt_ids: list[list[int]], max_new: int, eog: list[int]) -> list[list[int]]:
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     outputs = []
     with torch.no_grad():
-        for ids in prompt_ids:
+        for ids in tqdm(prompt_ids, desc="greedy HF (merged, fp32)", unit="prompt", file=sys.stderr):
             gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=max_new, do_sample=False, eos_token_id=eog, pad_token_id=eog[0])
             new = [int(t) for t in gen[0, len(ids):]]
@@ -314,7 +317,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         t0 = time.time()
         llm = Llama(model_path=str(tmp / filename), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n_threads,
                     seed=int(cfg.seed), verbose=False)
-        out = greedy_llama(llm, prompt_ids[: len(greedy_prompts)], max_new, set(eog))
+        out = greedy_llama(llm, prompt_ids[: len(greedy_prompts)], max_new, set(eog), name)
         timing[f"greedy_{name}_seconds"] = round(time.time() - t0, 2)
         report["greedy"][name] = compare_greedy(hf_out, out)
         # decoded the way llama-cpp-python's server decodes a completion, so 'make serve' can be compared
