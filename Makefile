@@ -48,7 +48,7 @@ train: prepare ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/
 	$(PY) -m reprotune.train $(ARGS)
 
 .PHONY: test
-test: venv data ## Run the test suite (the same command CI runs)
+test: venv data llama-cpp ## Run the test suite (the same command CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 .PHONY: test-smoke
@@ -129,3 +129,28 @@ endif
 else ifneq ($(RUNNER),local)
 $(error RUNNER=$(RUNNER): use RUNNER=local (the default) or RUNNER=docker)
 endif
+
+# ---- export and serving (merge -> gguf -> serve); see README "Export and serving"
+.PHONY: llama-cpp
+llama-cpp: venv ## Build (once, cached in .cache/llama-cpp) and install the hash-pinned llama.cpp
+	@bash scripts/build_llama_cpp.sh >/dev/null
+
+.PHONY: merge
+merge: venv ## Merge the adapter into the full-precision base -> outputs/merged/ (+ parity.json)
+	$(PY) -m reprotune.merge $(ARGS)
+
+.PHONY: gguf
+gguf: venv llama-cpp ## Convert outputs/merged to GGUF, quantize (export.quant), check parity, write the Modelfile
+	$(PY) -m reprotune.gguf $(ARGS)
+
+.PHONY: serve
+serve: venv llama-cpp ## OpenAI-compatible server on the GGUF (llama.cpp), on 127.0.0.1:8080 by default
+	$(PY) -m reprotune.serve $(ARGS)
+
+.PHONY: serve-info
+serve-info: venv ## Print the llama.cpp, vLLM (base + adapter) and Ollama serving commands
+	@$(PY) -m reprotune.serve export.serve.info_only=true $(ARGS)
+
+.PHONY: publish
+publish: venv ## Opt-in: push adapter/merged to the HF Hub (dry run unless export.publish.push=true; never private data)
+	$(PY) -m reprotune.publish $(ARGS)

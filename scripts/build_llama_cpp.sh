@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Build (or reuse) the pinned llama.cpp used by 'make gguf' and 'make serve'.
+#
+# llama.cpp comes from the llama-cpp-python sdist on PyPI, checked against the sha256 in
+# lockfiles/llama-cpp.txt. From that one source tree we use:
+#   - the llama-cpp-python wheel (libllama + Python bindings, also llama_model_quantize and the server),
+#     built portable (-DGGML_NATIVE=OFF) with the hash-locked tools of lockfiles/llama-cpp-build.txt;
+#   - vendor/llama.cpp/convert_hf_to_gguf.py with its own vendored gguf-py.
+# Results are cached under $LLAMA_CPP_CACHE/<key>, key = sdist sha256 + build flags, so a rerun (or a
+# rebuilt .venv) only reinstalls the cached wheel. Prints the source dir on the last line of stdout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+CACHE=${LLAMA_CPP_CACHE:-.cache/llama-cpp}
+LOCK=lockfiles/llama-cpp.txt
+CMAKE_FLAGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+
+pin=$(grep -o '^llama-cpp-python==[^ ]*' "$LOCK")
+version=${pin#llama-cpp-python==}
+sha=$(grep -A1 '^llama-cpp-python==' "$LOCK" | grep -o 'sha256:[0-9a-f]*' | head -1 | cut -d: -f2)
+[ -n "$sha" ] || { echo "build_llama_cpp: no sha256 for llama-cpp-python in $LOCK" >&2; exit 2; }
+key=$(printf '%s %s %s' "$sha" "$CMAKE_FLAGS" "$(python3 -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)
+dir="$CACHE/$version-$key"
+src="$dir/src/llama_cpp_python-$version"
+
+log() { echo "build_llama_cpp: $*" >&2; }
+
+if [ ! -f "$dir/done" ]; then
+  rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/dl" "$dir.tmp/src" "$dir.tmp/wheel"
+  log "fetching $pin (sdist, sha256 $sha)"
+  printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$dir.tmp/req.txt"
+  # --require-hashes: pip refuses an sdist whose sha256 differs from the lock
+  "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+    --require-hashes -r "$dir.tmp/req.txt" -d "$dir.tmp/dl"
+  tar -xzf "$dir.tmp/dl/llama_cpp_python-$version.tar.gz" -C "$dir.tmp/src"
+  log "build tools from lockfiles/llama-cpp-build.txt"
+  python3 -m venv "$dir.tmp/buildenv"
+  "$dir.tmp/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+    -r lockfiles/llama-cpp-build.txt
+  log "compiling libllama ($CMAKE_FLAGS) on $(nproc) cores; takes minutes (ninja's [done/total] below)"
+  start=$(date +%s)
+  # the build venv's cmake and ninja come first on PATH: the same tools on every machine
+  PATH="$PWD/$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    "$dir.tmp/buildenv/bin/python" -m pip wheel -v --disable-pip-version-check --no-deps --no-build-isolation \
+    -C cmake.verbose=false -w "$dir.tmp/wheel" "$dir.tmp/src/llama_cpp_python-$version" \
+    > "$dir.tmp/build.log" 2>&1 &
+  pid=$!
+  # progress: ninja's step counter, one line every 20 s
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 20
+    step=$(grep -oE '^\s*\[[0-9]+/[0-9]+\]' "$dir.tmp/build.log" | tail -1 | tr -d ' ' || true)
+    log "  ${step:-configuring} ($(( $(date +%s) - start )) s)"
+  done
+  if ! wait "$pid"; then
+    tail -40 "$dir.tmp/build.log" >&2
+    log "wheel build failed; full log: $dir.tmp/build.log"; exit 1
+  fi
+  log "built in $(( $(date +%s) - start )) s: $(ls "$dir.tmp/wheel")"
+  rm -rf "$dir.tmp/buildenv" "$dir.tmp/dl"
+  echo "$(( $(date +%s) - start ))" > "$dir.tmp/build_seconds"
+  touch "$dir.tmp/done"
+  rm -rf "$dir" && mv "$dir.tmp" "$dir"
+fi
+
+# Install into the venv when it lacks this exact build (a rebuilt .venv only costs a reinstall).
+wheel=$(ls "$dir"/wheel/llama_cpp_python-*.whl)
+stamp="$VENV/.llama-cpp-$version-$key-$(sha256sum "$LOCK" | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  log "installing $(basename "$wheel") (+ lockfiles/llama-cpp.txt) into $VENV"
+  # every pin but llama-cpp-python itself (its entry runs until the line without a trailing backslash)
+  awk '/^llama-cpp-python==/{skip=1} !skip && !/^#/{print} skip && !/\\$/{skip=0}' "$LOCK" > "$dir/server-req.txt"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r "$dir/server-req.txt"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+  rm -f "$VENV"/.llama-cpp-* && touch "$stamp"
+fi
+echo "$PWD/$src/vendor/llama.cpp"

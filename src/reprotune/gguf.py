@@ -1,0 +1,372 @@
+"""GGUF stage: convert the merged model with the pinned llama.cpp, quantize it, and prove it answers like
+the Hugging Face model.
+
+    python -m reprotune.gguf [hydra overrides]      # == make gguf ARGS="export.quant=[Q4_K_M,Q8_0]"
+
+Reads  outputs/merged/ (make merge), data/prepared/holdout.jsonl and train.jsonl (its system prompt).
+Writes outputs/gguf/model-F16.gguf (convert_hf_to_gguf.py, export.outtype), model-<QUANT>.gguf for every
+       export.quant, Modelfile (Ollama), parity.json; outputs/export/gguf_manifest.json (timings).
+
+The failures users of other tools meet only after shipping are checked here, and each one stops the stage:
+  - an unknown pre-tokenizer (the converter refuses; we say which hash and what to do);
+  - any warning with which llama.cpp itself says generation will degrade, when it loads the GGUF;
+  - a chat template in the GGUF that renders a prompt differently from the HF tokenizer's template;
+  - a rendered prompt that llama.cpp tokenizes into different ids than the HF tokenizer (special tokens
+    split into text, different pre-tokenization);
+  - an end-of-turn token of the HF generation config that llama.cpp does not treat as end of generation
+    (answers that never stop).
+Then greedy answers of the merged HF model and of every GGUF are compared on the holdout (reported).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune import llamacpp
+from reprotune import modelfile as mfile
+from reprotune.config import CONF_DIR
+from reprotune.merge import ExportError, publish_dir, read_holdout
+
+log = logging.getLogger("reprotune.gguf")
+
+OUTTYPE_NAME = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
+
+
+def quant_list(cfg: DictConfig) -> list[str]:
+    quant = cfg.export.quant
+    quants = [quant] if isinstance(quant, str) else list(quant)
+    import llama_cpp
+
+    for q in quants:
+        if not hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{q}"):
+            known = sorted(k.removeprefix("LLAMA_FTYPE_MOSTLY_") for k in dir(llama_cpp)
+                           if k.startswith("LLAMA_FTYPE_MOSTLY_"))
+            raise ExportError(f"gguf: export.quant: unknown llama.cpp type {q!r} (known: {', '.join(known)})")
+    return quants
+
+
+def threads(cfg: DictConfig) -> int:
+    return int(cfg.export.threads or os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------------------------------------- convert
+def convert(src: Path, merged: Path, out: Path, outtype: str) -> None:
+    """convert_hf_to_gguf.py from the pinned tree (it puts its own gguf-py first on sys.path)."""
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(merged), "--outtype", outtype,
+           "--outfile", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    log.info("converting %s -> %s (%s)", merged, out.name, outtype)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    captured = bytearray()
+    assert proc.stdout is not None
+    for chunk in iter(lambda: proc.stdout.read1(1 << 14), b""):  # forward as it comes: tqdm's progress bar
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+        captured += chunk
+    if proc.wait() == 0:
+        return
+    text = captured.decode("utf-8", errors="replace")
+    if "pre-tokenizer was not recognized" in text:
+        chk = llamacpp.CHKHSH_RE.search(text)
+        raise ExportError(
+            f"gguf: llama.cpp {llamacpp.version()} does not know the pre-tokenizer of {merged}/tokenizer.json "
+            f"(chkhsh {chk.group(1) if chk else '?'}); a GGUF with a guessed pre-tokenizer would tokenize "
+            "differently from training. Use a llama.cpp that lists this tokenizer (lockfiles/llama-cpp.txt)")
+    last = [line for line in text.splitlines() if line.strip()][-1:] or ["(no output)"]
+    raise ExportError(f"gguf: convert_hf_to_gguf.py failed on {merged}: {last[0]}")
+
+
+def load_vocab(path: Path):
+    """The GGUF's vocabulary and metadata only (llama.cpp's vocab_only load: no weights, no context)."""
+    from llama_cpp import _internals, llama_cpp
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with llamacpp.captured_log():  # quiet: check_loads_cleanly reads the log where it matters
+        return _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
+
+
+def check_loads_cleanly(path: Path) -> dict[str, Any]:
+    """Load the GGUF's vocabulary with llama.cpp and fail on any warning that it degrades generation."""
+    from llama_cpp import _internals, llama_cpp
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with llamacpp.captured_log() as lines:
+        vocab = _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
+    bad = llamacpp.degrading_warnings(lines)
+    if bad:
+        raise ExportError(f"gguf: llama.cpp warns about {path.name}: {bad[0]}")
+    eog = eog_ids(vocab)
+    vocab.close()
+    return {"warnings": llamacpp.warnings_of(lines), "eog_ids": eog}
+
+
+def eog_ids(vocab) -> list[int]:
+    """Token ids llama.cpp ends generation on (the end-of-turn set of the GGUF)."""
+    import llama_cpp
+
+    return [i for i in range(vocab.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab.vocab, i)]
+
+
+# --------------------------------------------------------------------------------------------- quantize
+def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
+    """llama_model_quantize, the function llama.cpp's llama-quantize tool calls, from the pinned libllama."""
+    import ctypes
+
+    import llama_cpp
+    from tqdm import tqdm
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
+    params.nthread = n_threads
+    bar = tqdm(desc=f"quantize {quant}", unit="tensor", file=sys.stderr)
+    step = re.compile(r"\[\s*(\d+)/\s*(\d+)\]")
+
+    def progress(level: int, text: str) -> None:
+        if match := step.search(text):
+            bar.total = int(match.group(2))
+            bar.update(int(match.group(1)) - bar.n)
+
+    with llamacpp.captured_log(progress) as lines:
+        rc = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(out).encode(), ctypes.byref(params))
+    bar.close()
+    if rc != 0:
+        errors = llamacpp.warnings_of(lines) or ["(no message)"]
+        raise ExportError(f"gguf: quantizing {src_gguf.name} to {quant} failed: {errors[-1]}")
+
+
+# ----------------------------------------------------------------------------------------------- parity
+def prompts_of(conversations: list[list[dict]]) -> list[list[dict]]:
+    """Each holdout conversation up to (not including) its last assistant answer."""
+    out = []
+    for conv in conversations:
+        cut = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
+        out.append(conv[:cut])
+    return out
+
+
+def check_template_and_tokens(vocab, tokenizer, prompts: list[list[dict]], name: str) -> list[list[int]]:
+    """The GGUF's own chat template and tokenizer must turn every prompt into the HF ids (hard failure).
+
+    The template is rendered the way llama-cpp-python's server renders it (Jinja2ChatFormatter)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = vocab.metadata().get("tokenizer.chat_template")
+    if not template:
+        raise ExportError(f"gguf: {name} carries no chat template (tokenizer.chat_template)")
+    formatter = Jinja2ChatFormatter(template=template, eos_token=tokenizer.eos_token or "",
+                                    bos_token=tokenizer.bos_token or "", add_generation_prompt=True)
+    ids = []
+    for n, messages in enumerate(prompts):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        hf_ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"])
+        if formatter(messages=messages).prompt != text:
+            raise ExportError(f"gguf: {name}: its chat template renders holdout prompt {n} differently from "
+                              "the HF tokenizer's chat template")
+        cpp_ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        if cpp_ids != hf_ids:
+            at = next((i for i, (a, b) in enumerate(zip(cpp_ids, hf_ids, strict=False)) if a != b),
+                      min(len(cpp_ids), len(hf_ids)))
+            raise ExportError(f"gguf: {name}: llama.cpp tokenizes holdout prompt {n} differently from the HF "
+                              f"tokenizer (first difference at token {at}: {cpp_ids[at:at + 3]} vs {hf_ids[at:at + 3]})")
+        ids.append(hf_ids)
+    return ids
+
+
+def greedy_llama(llm, prompt_ids: list[list[int]], max_new: int, eog: set[int], name: str) -> list[list[int]]:
+    from tqdm import tqdm
+
+    outputs = []
+    for ids in tqdm(prompt_ids, desc=f"greedy {name}", unit="prompt", file=sys.stderr):
+        out: list[int] = []
+        # temp 0 is llama.cpp's greedy sampler; no repetition penalty, like HF's generate
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if tok in eog or len(out) >= max_new:
+                break
+            out.append(int(tok))
+        outputs.append(out)
+    return outputs
+
+
+def greedy_hf(merged_dir: Path, prompt_ids: list[list[int]], max_new: int, eog: list[int]) -> list[list[int]]:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for ids in tqdm(prompt_ids, desc="greedy HF (merged, fp32)", unit="prompt", file=sys.stderr):
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new, do_sample=False, eos_token_id=eog, pad_token_id=eog[0])
+            new = [int(t) for t in gen[0, len(ids):]]
+            outputs.append(new[: next((i for i, t in enumerate(new) if t in eog), len(new))])
+    return outputs
+
+
+def compare_greedy(reference: list[list[int]], candidate: list[list[int]]) -> dict[str, Any]:
+    exact = [r == c for r, c in zip(reference, candidate, strict=True)]
+
+    def common_prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    matched = sum(common_prefix(r, c) for r, c in zip(reference, candidate, strict=True))
+    total = sum(max(len(r), len(c)) for r, c in zip(reference, candidate, strict=True))
+    return {"exact_match_rate": sum(exact) / len(exact), "exact_matches": sum(exact), "prompts": len(exact),
+            "token_prefix_agreement": matched / total if total else 1.0,
+            "mismatched_prompts": [i for i, e in enumerate(exact) if not e]}
+
+
+def type_mix(info: dict[str, Any]) -> dict[str, Any]:
+    total = sum(info["type_bytes"].values())
+    return {t: {"tensors": info["type_counts"][t], "bytes": info["type_bytes"][t],
+                "share_of_bytes": round(info["type_bytes"][t] / total, 4)}
+            for t in sorted(info["type_counts"], key=lambda t: -info["type_bytes"][t])}
+
+
+# ------------------------------------------------------------------------------------------------- main
+def gguf(cfg: DictConfig) -> dict[str, Any]:
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    from reprotune import manifest as mf
+
+    started = time.time()
+    merged = Path(cfg.paths.merged)
+    if not (merged / "config.json").is_file():
+        raise ExportError(f"gguf: {merged}/config.json not found; run 'make merge' first")
+    src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
+    quants = quant_list(cfg)
+    n_threads = threads(cfg)
+    outtype = str(cfg.export.outtype)
+    if outtype not in OUTTYPE_NAME:
+        raise ExportError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    prompts = prompts_of(read_holdout(cfg))
+
+    final = Path(cfg.paths.gguf)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    timing: dict[str, float] = {}
+
+    # 1. convert, then let llama.cpp load it and say whether anything degrades generation
+    base_name = f"model-{OUTTYPE_NAME[outtype]}.gguf"
+    t0 = time.time()
+    convert(src, merged, tmp / base_name, outtype)
+    timing["convert_seconds"] = round(time.time() - t0, 2)
+    load = check_loads_cleanly(tmp / base_name)
+    eog = load["eog_ids"]
+    gen_eos = json.loads((merged / "generation_config.json").read_text()).get("eos_token_id")
+    missing = [e for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []) if e not in eog]
+    if missing:
+        raise ExportError(f"gguf: {base_name}: llama.cpp does not stop on eos id(s) {missing} of "
+                          f"{merged}/generation_config.json; answers would never end")
+
+    # 2. quantize
+    files = {OUTTYPE_NAME[outtype]: base_name}
+    for quant in quants:
+        if quant == OUTTYPE_NAME[outtype]:
+            continue
+        t0 = time.time()
+        quantize(tmp / base_name, tmp / f"model-{quant}.gguf", quant, n_threads)
+        timing[f"quantize_{quant}_seconds"] = round(time.time() - t0, 2)
+        check_loads_cleanly(tmp / f"model-{quant}.gguf")
+        files[quant] = f"model-{quant}.gguf"
+
+    # 3. parity: template + token ids (hard), greedy answers (reported)
+    greedy_n = cfg.export.parity.greedy_prompts
+    greedy_prompts = prompts if greedy_n is None else prompts[: int(greedy_n)]
+    max_new = int(cfg.export.parity.max_new_tokens)
+    t0 = time.time()
+    prompt_ids: list[list[int]] = []
+    hf_out = greedy_hf(merged, [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True,
+                                                              return_dict=True)["input_ids"]
+                                for p in greedy_prompts], max_new, eog)
+    timing["hf_greedy_seconds"] = round(time.time() - t0, 2)
+    report: dict[str, Any] = {
+        "llama_cpp_python": llamacpp.version(), "holdout_prompts": len(prompts),
+        "greedy_prompts": len(greedy_prompts), "max_new_tokens": max_new, "eog_ids": eog,
+        "tokenization": {}, "greedy": {},
+        "hf_outputs": [tokenizer.decode(o) for o in hf_out], "gguf_outputs": {}, "type_mix": {},
+    }
+    for name, filename in files.items():
+        info = llamacpp.gguf_info(src, tmp / filename)
+        report["type_mix"][name] = type_mix(info)
+        if info["metadata"]["tokenizer.ggml.pre"] in (None, "default"):
+            raise ExportError(f"gguf: {filename} has no pre-tokenizer type; llama.cpp would guess")
+        vocab = load_vocab(tmp / filename)
+        prompt_ids = check_template_and_tokens(vocab, tokenizer, prompts, filename)
+        vocab.close()
+        report["tokenization"][name] = {"identical": True, "prompts": len(prompt_ids),
+                                        "tokens": sum(map(len, prompt_ids))}
+        t0 = time.time()
+        llm = Llama(model_path=str(tmp / filename), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n_threads,
+                    seed=int(cfg.seed), verbose=False)
+        out = greedy_llama(llm, prompt_ids[: len(greedy_prompts)], max_new, set(eog), name)
+        timing[f"greedy_{name}_seconds"] = round(time.time() - t0, 2)
+        report["greedy"][name] = compare_greedy(hf_out, out)
+        # decoded the way llama-cpp-python's server decodes a completion, so 'make serve' can be compared
+        report["gguf_outputs"][name] = [llm.detokenize(o).decode("utf-8", errors="ignore") for o in out]
+        del llm
+
+    # 4. Ollama Modelfile for the first quant (the one 'make serve' serves too)
+    serve_name = files.get(str(cfg.export.serve.quant), files[quants[0]] if quants else base_name)
+    pieces = mfile.probe(tokenizer)
+    system = (mfile.training_system_prompt(Path(cfg.paths.prepared) / "train.jsonl")
+              if cfg.export.ollama.system_from_data else None)
+    stops = mfile.stop_tokens(tokenizer, pieces, [e for e in eog if e in
+                                                  ([gen_eos] if isinstance(gen_eos, int) else gen_eos)])
+    (tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, mfile.go_template(pieces), stops, system))
+    report["modelfile"] = {"from": serve_name, "stop": stops, "system": system}
+    mf.write_json(tmp / "parity.json", report)
+    publish_dir(tmp, final)
+
+    record = mf.base_manifest("gguf", OmegaConf.to_container(cfg, resolve=True))
+    record.update({
+        "llama_cpp": {"llama_cpp_python": llamacpp.version(), "source": str(src),
+                      "lock_sha256": mf.sha256_file(llamacpp.REPO / "lockfiles/llama-cpp.txt")},
+        "inputs": {"merged": {"path": merged.as_posix(), "sha256": mf.tree_digest(mf.sha256_tree(merged))}},
+        "outputs": {name: {"path": (final / f).as_posix(), "sha256": mf.sha256_file(final / f),
+                           "bytes": (final / f).stat().st_size} for name, f in files.items()},
+        "load_warnings": load["warnings"],
+        "timing": {**timing, "wall_seconds": round(time.time() - started, 2)},
+    })
+    mf.write_json(Path(cfg.paths.export_dir) / "gguf_manifest.json", record)
+    print_summary(report, files, timing)
+    return record
+
+
+def print_summary(report: dict[str, Any], files: dict[str, str], timing: dict[str, float]) -> None:
+    print(f"\nGGUF parity ({report['holdout_prompts']} holdout prompts; greedy on {report['greedy_prompts']}, "
+          f"max {report['max_new_tokens']} new tokens)")
+    print(f"  {'file':<20} {'prompt ids':>10} {'greedy exact':>13} {'token agree':>12}  type mix (share of bytes)")
+    for name, filename in files.items():
+        g, mix = report["greedy"][name], report["type_mix"][name]
+        mix_s = ", ".join(f"{t} {v['share_of_bytes']:.0%}" for t, v in mix.items())
+        print(f"  {filename:<20} {'identical':>10} {g['exact_match_rate']:>12.0%} "
+              f"{g['token_prefix_agreement']:>11.1%}  {mix_s}")
+    print("  timings: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in timing.items()))
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    gguf(cfg)
+
+
+if __name__ == "__main__":
+    main()

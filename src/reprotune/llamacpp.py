@@ -1,0 +1,131 @@
+"""The pinned llama.cpp, as the export stages use it.
+
+llama.cpp comes from the hash-pinned llama-cpp-python sdist (lockfiles/llama-cpp.txt), built once by
+scripts/build_llama_cpp.sh: its wheel gives libllama with Python bindings (model loading, tokenizer,
+llama_model_quantize, the OpenAI-compatible server), and its vendored source tree gives
+convert_hf_to_gguf.py with the gguf-py it was written for. Everything here talks to that one build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "scripts" / "build_llama_cpp.sh"
+
+# llama.cpp's own words for a GGUF whose generation will be wrong (src/llama-vocab.cpp); any of them fails
+# the export. An unknown pre-tokenizer fails earlier, in the converter.
+DEGRADING_WARNINGS = (
+    "GENERATION QUALITY WILL BE DEGRADED",
+    "missing pre-tokenizer",
+    "is not in special_eog_ids",
+    "control-looking token",
+    "bad special token",
+    "out of vocab range",
+    "reconvert",
+    "newline token not found",
+    "missing newline token",
+)
+
+
+class LlamaCppError(SystemExit):
+    """A one-line failure about the llama.cpp toolchain (exit status 1, no traceback)."""
+
+
+def source_dir(configured: str | None = None) -> Path:
+    """The vendored llama.cpp tree (convert_hf_to_gguf.py, gguf-py); builds and installs it on first use."""
+    if configured:
+        path = Path(configured)
+    else:
+        env = dict(os.environ, VENV=str(Path(sys.prefix)))
+        proc = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, env=env, text=True)
+        if proc.returncode != 0:
+            raise LlamaCppError(f"gguf: {BUILD_SCRIPT.name} failed (exit {proc.returncode}); see its output above")
+        path = Path(proc.stdout.strip().splitlines()[-1])
+    if not (path / "convert_hf_to_gguf.py").is_file():
+        raise LlamaCppError(f"gguf: {path} is not a llama.cpp source tree (no convert_hf_to_gguf.py)")
+    return path
+
+
+def version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
+
+
+@contextmanager
+def captured_log(on_line: Callable[[int, str], None] | None = None) -> Iterator[list[tuple[int, str]]]:
+    """Collect llama.cpp's log lines (level, text) while the block runs; optionally watch each one.
+
+    Levels follow ggml.h of the pinned llama.cpp: 1 debug, 2 info, 3 warn, 4 error, 5 continuation.
+    """
+    import llama_cpp
+    import llama_cpp._logger as default_logger
+
+    lines: list[tuple[int, str]] = []
+
+    @llama_cpp.llama_log_callback
+    def callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        message = text.decode("utf-8", errors="replace")
+        lines.append((level, message))
+        if on_line is not None:
+            on_line(level, message)
+
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        llama_cpp.llama_log_set(default_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+WARN, ERROR = 3, 4
+
+
+def degrading_warnings(lines: list[tuple[int, str]]) -> list[str]:
+    """Lines in which llama.cpp says generation will be wrong (matched at any level: the phrases are specific)."""
+    return sorted({text.strip() for _, text in lines if any(w in text for w in DEGRADING_WARNINGS)})
+
+
+def warnings_of(lines: list[tuple[int, str]]) -> list[str]:
+    return [text.strip() for level, text in lines if level in (WARN, ERROR) and text.strip()]
+
+
+def gguf_info(src: Path, gguf: Path) -> dict[str, Any]:
+    """Tensor type mix and tokenizer metadata of a GGUF, read with the vendored gguf-py (in a subprocess,
+    so that it never shadows the PyPI gguf that transformers uses in this process)."""
+    code = r"""
+import collections, json, sys
+sys.path.insert(0, sys.argv[1])
+from gguf import GGUFReader
+r = GGUFReader(sys.argv[2])
+mix = collections.Counter(); size = collections.Counter()
+for t in r.tensors:
+    mix[t.tensor_type.name] += 1; size[t.tensor_type.name] += int(t.n_bytes)
+def field(name):
+    f = r.fields.get(name)
+    if f is None: return None
+    v = f.contents()
+    return v
+keys = ["general.architecture", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+        "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token",
+        "tokenizer.chat_template"]
+print(json.dumps({"tensors": len(r.tensors), "type_counts": dict(mix), "type_bytes": dict(size),
+                  "metadata": {k: field(k) for k in keys}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(src / "gguf-py"), str(gguf)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LlamaCppError(f"gguf: cannot read {gguf}: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout)
+
+
+CHKHSH_RE = re.compile(r"chkhsh:\s*([0-9a-f]{64})")

@@ -1,0 +1,224 @@
+"""Merge stage: fold the LoRA adapter into its base model and prove the merge changed nothing.
+
+    python -m reprotune.merge [hydra overrides]      # == make merge ARGS="..."
+
+Reads  the base model (reprotune.models.resolve_model_dir), outputs/adapter/ (PEFT adapter, tokenizer and
+       the inference chat template) and data/prepared/holdout.jsonl.
+Writes outputs/merged/ (safetensors in export.dtype, config, generation config, tokenizer, chat template,
+       parity.json) and outputs/export/merge_manifest.json (provenance and timings).
+
+A QLoRA adapter is merged into the full-precision base, never into 4-bit weights: the 4-bit base only
+existed to save memory during training, and dequantised NF4 weights merged with a LoRA delta would bake
+the quantisation error into every exported weight.
+
+Parity: logits of base + adapter (PEFT, unmerged, float32) are compared on a few holdout conversations
+with (1) the float32 merge in memory, which must agree to export.merge.fp32_atol, and (2) the model as saved
+(cast to export.dtype, reloaded from disk), whose argmax token must agree at export.merge.min_top1_agreement
+of the positions; the numbers go to outputs/merged/parity.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune.config import CONF_DIR
+
+log = logging.getLogger("reprotune.merge")
+
+
+class ExportError(SystemExit):
+    """A one-line, user-facing failure of an export stage (exit status 1, no traceback)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]]:
+    """Holdout conversations (lists of messages), in file order."""
+    path = Path(cfg.paths.prepared) / "holdout.jsonl"
+    if not path.is_file():
+        raise ExportError(f"export: {path} not found; run 'make prepare' first")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ExportError(f"export: {path}:{lineno}: field 'messages': {err}") from None
+            rows.append(messages)
+    if not rows:
+        raise ExportError(f"export: {path} holds no conversations")
+    return rows
+
+
+def check_adapter(adapter_dir: Path) -> None:
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
+        if not (adapter_dir / name).is_file():
+            raise ExportError(f"merge: {adapter_dir / name} not found; run 'make train' first")
+
+
+def save_dtype(cfg: DictConfig, model_dir: str) -> str:
+    if cfg.export.dtype != "auto":
+        return str(cfg.export.dtype)
+    config = json.loads((Path(model_dir) / "config.json").read_text()) if Path(model_dir).is_dir() else {}
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+# ------------------------------------------------------------------------------------------------ models
+def load_full_precision_base(model_dir: str, cfg: DictConfig):
+    """The base in float32 and unquantised, also for QLoRA (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, revision=cfg.model.revision,
+                                                trust_remote_code=cfg.model.trust_remote_code).eval()
+
+
+def parity_batches(tokenizer, conversations: list[list[dict]]) -> list[Any]:
+    """Each whole conversation (prompt and answer) rendered with the inference chat template."""
+    return [tokenizer.apply_chat_template(c, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
+            for c in conversations]
+
+
+def logits_of(model, batches: list[Any]) -> list[Any]:
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=ids).logits.float() for ids in batches]
+
+
+def compare_logits(reference: list[Any], candidate: list[Any]) -> dict[str, float]:
+    import torch
+
+    diffs = torch.cat([(r - c).abs().flatten() for r, c in zip(reference, candidate, strict=True)])
+    same = torch.cat([(r.argmax(-1) == c.argmax(-1)).flatten() for r, c in zip(reference, candidate, strict=True)])
+    return {"max_abs_diff": float(diffs.max()), "mean_abs_diff": float(diffs.mean()),
+            "top1_agreement": float(same.float().mean()), "positions": int(same.numel())}
+
+
+# ------------------------------------------------------------------------------------------------ output
+def write_generation_config(model, tokenizer, out: Path) -> None:
+    """generation_config.json whose eos ids include the chat template's end-of-turn token."""
+    gen = model.generation_config
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    eos = [e for e in eos if e is not None]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    gen.eos_token_id = eos[0] if len(eos) == 1 else eos
+    if gen.pad_token_id is None:
+        gen.pad_token_id = tokenizer.pad_token_id
+    gen.save_pretrained(out)
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Swap a finished directory in: a crash never leaves a half-written output."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------------------------- main
+def merge(cfg: DictConfig) -> dict[str, Any]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from reprotune import manifest as mf
+    from reprotune.models import resolve_model_dir
+
+    started = time.time()
+    adapter_dir = Path(cfg.paths.adapter)
+    check_adapter(adapter_dir)
+    conversations = read_holdout(cfg)[: int(cfg.export.merge.prompts)]
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    dtype = save_dtype(cfg, model_dir)
+    torch.manual_seed(int(cfg.seed))
+
+    # the adapter dir holds the tokenizer and the chat template the model was trained and evaluated with
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    batches = parity_batches(tokenizer, conversations)
+
+    log.info("loading %s in float32 + adapter %s", model_dir, adapter_dir)
+    t0 = time.time()
+    peft_model = PeftModel.from_pretrained(load_full_precision_base(model_dir, cfg), adapter_dir).eval()
+    reference = logits_of(peft_model, batches)
+    with peft_model.disable_adapter():  # how far the adapter moves the base: the scale of a wrong merge
+        adapter_effect = compare_logits(reference, logits_of(peft_model, batches))
+    merged = peft_model.merge_and_unload()
+    fp32 = compare_logits(reference, logits_of(merged, batches))
+    merge_seconds = time.time() - t0
+    if fp32["max_abs_diff"] > float(cfg.export.merge.fp32_atol):
+        raise ExportError(f"merge: merged logits differ from base + adapter by {fp32['max_abs_diff']:.3g} "
+                          f"(> export.merge.fp32_atol={cfg.export.merge.fp32_atol}); the merge is wrong")
+
+    final = Path(cfg.paths.merged)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    merged.to(getattr(torch, dtype)).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json and chat_template.jinja
+    write_generation_config(merged, tokenizer, tmp)
+    save_seconds = time.time() - t0
+    del peft_model, merged
+
+    # what ships is the saved file, so compare that (reloaded, upcast to float32) with base + adapter
+    saved_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    saved = compare_logits(reference, logits_of(saved_model, batches))
+    del saved_model
+    min_top1 = float(cfg.export.merge.min_top1_agreement)
+    parity = {
+        "holdout_conversations": len(conversations),
+        "reference": "base (float32, unquantised) + PEFT adapter, unmerged",
+        "adapter_effect": {"max_abs_diff": adapter_effect["max_abs_diff"],
+                           "top1_agreement": adapter_effect["top1_agreement"]},  # base alone vs base + adapter
+        "fp32_merge": {**fp32, "tolerance_max_abs_diff": float(cfg.export.merge.fp32_atol), "passed": True},
+        "saved": {**saved, "dtype": dtype, "min_top1_agreement": min_top1,
+                  "passed": saved["top1_agreement"] >= min_top1},
+        "qlora_merged_into_full_precision": bool(cfg.method.load_in_4bit),
+    }
+    mf.write_json(tmp / "parity.json", parity)
+    if not parity["saved"]["passed"]:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"merge: the {dtype} merged model picks the same next token as base + adapter at only "
+                          f"{saved['top1_agreement']:.3f} of positions (< export.merge.min_top1_agreement="
+                          f"{min_top1}); try export.dtype=float32")
+    publish_dir(tmp, final)
+
+    files = mf.sha256_tree(final)
+    record = mf.base_manifest("merge", OmegaConf.to_container(cfg, resolve=True))
+    record.update({
+        "inputs": {"base_model": model_dir, "adapter": {"path": adapter_dir.as_posix(),
+                                                        "sha256": mf.tree_digest(mf.sha256_tree(adapter_dir))}},
+        "outputs": {"merged": {"path": final.as_posix(), "sha256": mf.tree_digest(files), "files": files}},
+        "parity": parity,
+        "timing": {"merge_seconds": round(merge_seconds, 2), "save_seconds": round(save_seconds, 2),
+                   "wall_seconds": round(time.time() - started, 2)},
+    })
+    mf.write_json(Path(cfg.paths.export_dir) / "merge_manifest.json", record)
+    log.info("merged -> %s (%s); fp32 max |Δlogit| %.2e; saved %s: max |Δlogit| %.3f, top-1 agreement %.4f",
+             final, dtype, fp32["max_abs_diff"], dtype, saved["max_abs_diff"], saved["top1_agreement"])
+    return record
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    merge(cfg)
+
+
+if __name__ == "__main__":
+    main()

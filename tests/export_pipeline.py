@@ -1,0 +1,60 @@
+"""One tiny train -> merge -> gguf run shared by the export tests (built once per pytest session)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reprotune.config import compose
+
+from .conftest import TINY_TRAIN, write_jsonl
+
+# a few steps at a high learning rate: the adapter must move the logits visibly, or merge parity is vacuous
+EXPORT_TRAIN = [*TINY_TRAIN, "train.learning_rate=0.01"]
+EXPORT_ARGS = ["export.quant=[Q4_K_M,Q8_0]", "export.parity.greedy_prompts=3", "export.parity.max_new_tokens=16",
+               "export.merge.prompts=3"]
+
+
+def tiny_workspace(root: Path) -> list[str]:
+    from reprotune.invoices import generate
+
+    rows = generate(40, seed=7)
+    write_jsonl(root / "data/prepared/train.jsonl", rows[:32])
+    write_jsonl(root / "data/prepared/holdout.jsonl", rows[32:])
+    return [*EXPORT_TRAIN, *EXPORT_ARGS, f"paths.root={root}"]
+
+
+def stage(root: Path, name: str) -> None:
+    """Run a stage once per session (a marker file says it is done)."""
+    marker = root / f".done-{name}"
+    if marker.exists():
+        return
+    overrides = json.loads((root / "overrides.json").read_text())
+    cfg = compose(overrides)
+    if name == "train":
+        from reprotune.train import train
+
+        train(cfg)
+    elif name == "merge":
+        from reprotune.merge import merge
+
+        merge(cfg)
+    elif name == "gguf":
+        from reprotune.gguf import gguf
+
+        gguf(cfg)
+    marker.touch()
+
+
+def tiny_export(factory: pytest.TempPathFactory, upto: str) -> tuple[Path, list[str]]:
+    root = factory.getbasetemp() / "tiny-export"
+    if not (root / "overrides.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "overrides.json").write_text(json.dumps(tiny_workspace(root)))
+    for name in ("train", "merge", "gguf"):
+        stage(root, name)
+        if name == upto:
+            break
+    return root, json.loads((root / "overrides.json").read_text())

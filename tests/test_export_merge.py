@@ -1,0 +1,96 @@
+"""make merge on the tiny random model: outputs, logit parity, QLoRA into full precision, loud failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reprotune.config import compose
+from reprotune.merge import merge
+
+from .conftest import TINY_TRAIN, write_jsonl
+from .export_pipeline import tiny_export
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    return tiny_export(tmp_path_factory, upto="merge")
+
+
+def test_merged_dir_is_a_complete_hf_model(merged: tuple[Path, list[str]]) -> None:
+    root, _ = merged
+    out = root / "outputs/merged"
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja", "parity.json"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"  # export.dtype default
+    assert "quantization_config" not in config
+    # the inference chat template of the adapter travels unchanged
+    assert (out / "chat_template.jinja").read_text() == (root / "outputs/adapter/chat_template.jinja").read_text()
+    gen = json.loads((out / "generation_config.json").read_text())
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    assert 2 in eos  # <|im_end|>, the end of an assistant turn in ChatML
+    assert not (root / "outputs/merged.tmp").exists()
+
+
+def test_merge_parity(merged: tuple[Path, list[str]]) -> None:
+    root, _ = merged
+    parity = json.loads((root / "outputs/merged/parity.json").read_text())
+    fp32, saved, effect = parity["fp32_merge"], parity["saved"], parity["adapter_effect"]
+    assert parity["holdout_conversations"] == 3 and fp32["positions"] > 100
+    assert fp32["passed"] and fp32["max_abs_diff"] <= fp32["tolerance_max_abs_diff"] == 1e-3
+    # the adapter really changes the model, by far more than the merge error: the check has teeth
+    assert effect["max_abs_diff"] > 20 * fp32["max_abs_diff"]
+    assert saved["passed"] and saved["top1_agreement"] >= 0.98 and saved["dtype"] == "bfloat16"
+    manifest = json.loads((root / "outputs/export/merge_manifest.json").read_text())
+    assert manifest["timing"]["merge_seconds"] > 0
+    assert manifest["parity"] == parity
+    assert len(manifest["outputs"]["merged"]["sha256"]) == 64
+
+
+def test_qlora_adapter_merges_into_full_precision_base(tmp_path: Path) -> None:
+    from reprotune.train import train
+
+    from .export_pipeline import tiny_workspace
+
+    overrides = [*tiny_workspace(tmp_path), "method=qlora"]
+    train(compose(overrides))
+    assert json.loads((tmp_path / "outputs/adapter/adapter_config.json").read_text())["peft_type"] == "LORA"
+    record = merge(compose(overrides))
+    parity = record["parity"]
+    assert parity["qlora_merged_into_full_precision"] is True
+    assert parity["fp32_merge"]["passed"] and parity["saved"]["passed"]
+    config = json.loads((tmp_path / "outputs/merged/config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "outputs/merged/model.safetensors", "pt") as fh:
+        dtypes = {str(fh.get_slice(k).get_dtype()) for k in fh.keys()}  # noqa: SIM118
+    assert dtypes == {"BF16"}  # dense weights, no packed 4-bit tensors
+
+
+def test_missing_adapter_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_jsonl(tmp_path / "data/prepared/holdout.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(SystemExit) as err:
+        merge(compose([*TINY_TRAIN, f"paths.root={tmp_path}"]))
+    assert "outputs/adapter/adapter_config.json not found" in str(err.value) and "make train" in str(err.value)
+
+
+def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[Path, list[str]],
+                                                                   tmp_path: Path) -> None:
+    import shutil
+
+    root, overrides = merged
+    # a copy of the finished workspace with a broken holdout: the old merged model must survive
+    shutil.copytree(root / "outputs", tmp_path / "outputs")
+    good = (root / "data/prepared/holdout.jsonl").read_text().splitlines()
+    (tmp_path / "data/prepared").mkdir(parents=True)
+    (tmp_path / "data/prepared/holdout.jsonl").write_text(good[0] + "\n" + '{"messages": [oops\n')
+    before = (tmp_path / "outputs/merged/model.safetensors").read_bytes()
+    with pytest.raises(SystemExit) as err:
+        merge(compose([*overrides, f"paths.root={tmp_path}"]))
+    assert str(err.value).startswith(f"export: {tmp_path}/data/prepared/holdout.jsonl:2: field 'messages'")
+    assert (tmp_path / "outputs/merged/model.safetensors").read_bytes() == before
