@@ -30,8 +30,9 @@ if [ ! -f "$dir/done" ]; then
   rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/dl" "$dir.tmp/src" "$dir.tmp/wheel"
   log "fetching $pin (sdist, sha256 $sha)"
   printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$dir.tmp/req.txt"
-  # --require-hashes: pip refuses an sdist whose sha256 differs from the lock
-  "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+  # --require-hashes: pip refuses an sdist whose sha256 differs from the lock. Source-only for this package
+  # alone: ':all:' would also force pip's metadata build environment (scikit-build-core...) from source.
+  "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
     --require-hashes -r "$dir.tmp/req.txt" -d "$dir.tmp/dl"
   tar -xzf "$dir.tmp/dl/llama_cpp_python-$version.tar.gz" -C "$dir.tmp/src"
   log "build tools from lockfiles/llama-cpp-build.txt"
