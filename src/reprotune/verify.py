@@ -253,9 +253,13 @@ def verify_revision(rev: str, overrides: list[str] | None = None, keep: bool = F
         for local in (".dvc/config.local",):
             if (repo / local).is_file() and not (tree / local).exists():
                 shutil.copy2(repo / local, tree / local)
-        restored = _run([dvc, "checkout", "--quiet"], tree)
+        # only what the revision ran: stages never run there (no dvc.lock entry) have nothing to restore
+        lock = tree / "dvc.lock"
+        targets = list((yaml.safe_load(lock.read_text()) or {}).get("stages", {})) if lock.is_file() else []
+        targets = (["data.dvc"] if (tree / "data.dvc").is_file() else []) + targets
+        restored = _run([dvc, "checkout", "--quiet", *targets], tree)
         if restored.returncode != 0:
-            restored = _run([dvc, "pull", "--quiet"], tree)
+            restored = _run([dvc, "pull", "--quiet", *targets], tree)
         if restored.returncode != 0:
             raise VerifyError(f"{rev}: could not restore its data and outputs from the DVC cache or remote "
                               f"({(restored.stderr.strip().splitlines() or ['?'])[-1]})")
