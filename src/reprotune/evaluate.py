@@ -446,18 +446,6 @@ def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) ->
     os.replace(tmp, out)
 
 
-def path_record(path: Path, root: Path | None) -> dict[str, Any]:
-    """An input or output as the manifest records it: path (relative to paths.root) and sha256; a directory
-    gets one digest over its files plus the per-file digests (what 'make verify' compares)."""
-    from reprotune import manifest as mf
-
-    rel = Path(os.path.relpath(path, root) if root is not None else path).as_posix()
-    if path.is_dir():
-        files = mf.sha256_tree(path)
-        return {"path": rel, "sha256": mf.tree_digest(files), "files": files}
-    return {"path": rel, "sha256": mf.sha256_file(path)}
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -532,13 +520,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "device": device,
         "dtype": dtype,
         "batch_size": batch_size,
-        "inputs": {"holdout": {**path_record(holdout, root), "examples": len(examples)},
-                   "adapter": path_record(Path(cfg.paths.adapter), root),
+        "inputs": {"holdout": {**mf.path_record(holdout, root), "examples": len(examples)},
+                   "adapter": mf.path_record(Path(cfg.paths.adapter), root),
                    # outside the run (a shared cache): an absolute path
-                   "base_model": path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
+                   "base_model": mf.path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
                    else {"path": model_dir, "sha256": None}},
         "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
-        "outputs": {key: path_record(out_dir / name, root) for key, name in OUTPUT_FILES.items()},
+        "outputs": {key: mf.path_record(out_dir / name, root) for key, name in OUTPUT_FILES.items()},
         "timing": {"wall_seconds": round(time.time() - started, 2),
                    **{s: {"seconds": round(run.seconds, 2),
                           "examples_per_second": round(len(examples) / run.seconds, 3) if run.seconds else None,
