@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build timings of the reprotune image, printed as a table: cold (no layers, no pip cache), cached (nothing changed),
-# code change (src/ touched: only the project layers), --no-cache rebuild (pip downloads cached), the smoke train in
-# the container with --network=none, and the image size.
+# Build timings of the reprotune image, printed as a table: cold (no layers, no pip cache, llama.cpp compiled in the
+# image), cached (nothing changed), code change (src/ touched: only the project layers), --no-cache rebuild (pip
+# downloads cached; llama.cpp reused from the host's identical build when there is one), the smoke train and
+# merge + gguf in the container with --network=none, and the image size.
 #
 #   bash bench/docker_build_times.sh [cpu|cuda]        (needs an engine: eval "$(bash scripts/docker_engine.sh start)")
 #   BENCH_COLD=0 skips the cold build (it empties the BuildKit cache, pip's download cache included).
@@ -24,7 +25,7 @@ timed() {  # label, command...
 if [ "${BENCH_COLD:-1}" = 1 ]; then
   "$DOCKER" image rm -f "$REPROTUNE_IMAGE" >/dev/null 2>&1 || true
   "$DOCKER" builder prune -af >/dev/null
-  timed "cold build (empty layer and pip caches)" bash scripts/docker_build.sh
+  timed "cold build (empty caches, llama.cpp compiled)" env LLAMA_CPP_SEED=0 bash scripts/docker_build.sh
 fi
 timed "cached build (nothing changed)" bash scripts/docker_build.sh
 touch_file=src/reprotune/__init__.py
@@ -33,6 +34,9 @@ echo "# bench $(date +%s%N)" >> "$touch_file"
 timed "code change (src/ edited)" bash scripts/docker_build.sh
 cp -p "/tmp/reprotune-bench-init.py" "$touch_file"
 timed "--no-cache rebuild (pip downloads cached)" env DOCKER_BUILD_FLAGS=--no-cache bash scripts/docker_build.sh
+timed "--no-cache rebuild of /opt/venv (--target env)" env DOCKER_BUILD_FLAGS="--no-cache --target env" \
+  REPROTUNE_IMAGE="$REPROTUNE_IMAGE-env" bash scripts/docker_build.sh
+"$DOCKER" image rm "$REPROTUNE_IMAGE-env" >/dev/null
 
 ws=$(mktemp -d)
 trap 'rm -rf "$ws"' EXIT
@@ -40,6 +44,9 @@ git ls-files -co --exclude-standard -z | xargs -0 -I{} cp --parents {} "$ws/" 2>
 (cd "$ws" && git init -q && git add -A && git -c user.email=b@b -c user.name=b commit -qm bench)
 timed "make test-smoke RUNNER=docker --network=none" \
   make -C "$ws" test-smoke RUNNER=docker VARIANT="$VARIANT" DOCKER_RUN_FLAGS=--network=none
+timed "make merge gguf RUNNER=docker --network=none" \
+  make -C "$ws" merge gguf RUNNER=docker VARIANT="$VARIANT" DOCKER_RUN_FLAGS=--network=none \
+  ARGS="model=tiny_random export.quant=[Q8_0] export.parity.greedy_prompts=2 export.parity.max_new_tokens=8 export.merge.prompts=2"
 
 size=$("$DOCKER" image inspect -f '{{.Size}}' "$REPROTUNE_IMAGE" | awk '{printf "%.2f GB", $1/1e9}')
 echo

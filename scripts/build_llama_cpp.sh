@@ -6,13 +6,19 @@
 #   - the llama-cpp-python wheel (libllama + Python bindings, also llama_model_quantize and the server),
 #     built portable (-DGGML_NATIVE=OFF) with the hash-locked tools of lockfiles/llama-cpp-build.txt;
 #   - vendor/llama.cpp/convert_hf_to_gguf.py with its own vendored gguf-py.
-# Results are cached under $LLAMA_CPP_CACHE/<key>, key = sdist sha256 + build flags, so a rerun (or a
-# rebuilt .venv) only reinstalls the cached wheel. Prints the source dir on the last line of stdout.
+# Results are cached under $LLAMA_CPP_CACHE/<version>-<key>, key = sdist sha256 + build flags + Python minor
+# version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
+# recorded in <dir>/toolchain.
+# LLAMA_CPP_SEED=<dir> (docker build): a cache directory made elsewhere is reused instead of compiling when its key
+# and its recorded compiler are the same as here (same sdist, flags, Python, glibc, compiler: the same build).
+# Prints the source dir on the last line of stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 CACHE=${LLAMA_CPP_CACHE:-.cache/llama-cpp}
+mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)   # absolute: the image keeps it in /opt/llama.cpp
+PYTHON="$VENV/bin/python"   # not python3: an image has Python only in its venv
 LOCK=lockfiles/llama-cpp.txt
 CMAKE_FLAGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 
@@ -20,29 +26,57 @@ pin=$(grep -o '^llama-cpp-python==[^ ]*' "$LOCK")
 version=${pin#llama-cpp-python==}
 sha=$(grep -A1 '^llama-cpp-python==' "$LOCK" | grep -o 'sha256:[0-9a-f]*' | head -1 | cut -d: -f2)
 [ -n "$sha" ] || { echo "build_llama_cpp: no sha256 for llama-cpp-python in $LOCK" >&2; exit 2; }
-key=$(printf '%s %s %s' "$sha" "$CMAKE_FLAGS" "$(python3 -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)
+platform=$("$PYTHON" -c 'import platform, sys; print(sys.version_info[:2], platform.machine(), platform.libc_ver())')
+key=$(printf '%s %s %s' "$sha" "$CMAKE_FLAGS" "$platform" | sha256sum | cut -c1-16)
 dir="$CACHE/$version-$key"
 src="$dir/src/llama_cpp_python-$version"
 
 log() { echo "build_llama_cpp: $*" >&2; }
+toolchain() { "${CXX:-c++}" --version 2>/dev/null | head -1; }
+# After the compile only the converter is needed from the source tree (176 MB of docs, test vocabularies and C++
+# sources otherwise stay in the cache and in the image): convert_*.py, its conversion/ package, gguf-py, licenses.
+prune_source() {
+  local top=$1 keep
+  find "$top" -mindepth 1 -maxdepth 1 ! -name vendor ! -name LICENSE.md -exec rm -rf {} +
+  find "$top/vendor" -mindepth 1 -maxdepth 1 ! -name llama.cpp -exec rm -rf {} +
+  keep='^(convert_[a-z_]+\.py|conversion|gguf-py|LICENSE|licenses|requirements|requirements\.txt|pyproject\.toml)$'
+  for entry in "$top/vendor/llama.cpp"/* "$top/vendor/llama.cpp"/.[!.]*; do
+    [ -e "$entry" ] || continue
+    basename "$entry" | grep -qE "$keep" || rm -rf "$entry"
+  done
+}
+
+if [ -f "$CACHE/NOT-BUILT" ] && [ ! -f "$dir/done" ]; then
+  log "$(cat "$CACHE/NOT-BUILT"): rebuild it with llama.cpp (make docker-build, LLAMA_CPP=1 is the default)"; exit 1
+fi
+seed="${LLAMA_CPP_SEED:-}/$version-$key"
+if [ ! -f "$dir/done" ] && [ -n "${LLAMA_CPP_SEED:-}" ] && [ -f "$seed/done" ]; then
+  if [ "$(cat "$seed/toolchain" 2>/dev/null)" = "$(toolchain)" ]; then
+    log "reusing the build in $seed (same sdist, flags, Python, glibc and compiler: $(toolchain))"
+    rm -rf "$dir.tmp" && cp -a "$seed" "$dir.tmp" && rm -rf "$dir" && mv "$dir.tmp" "$dir"
+  else
+    log "not reusing $seed: built with '$(cat "$seed/toolchain" 2>/dev/null)', here '$(toolchain)'"
+  fi
+fi
 
 if [ ! -f "$dir/done" ]; then
+  command -v "${CXX:-c++}" >/dev/null || { log "no C++ compiler (${CXX:-c++}); install g++ (Debian: apt-get install g++)"; exit 1; }
   rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/dl" "$dir.tmp/src" "$dir.tmp/wheel"
   log "fetching $pin (sdist, sha256 $sha)"
   printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$dir.tmp/req.txt"
   # --require-hashes: pip refuses an sdist whose sha256 differs from the lock. Source-only for this package
   # alone: ':all:' would also force pip's metadata build environment (scikit-build-core...) from source.
-  "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
+  "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
     --require-hashes -r "$dir.tmp/req.txt" -d "$dir.tmp/dl"
   tar -xzf "$dir.tmp/dl/llama_cpp_python-$version.tar.gz" -C "$dir.tmp/src"
   log "build tools from lockfiles/llama-cpp-build.txt"
-  python3 -m venv "$dir.tmp/buildenv"
+  "$PYTHON" -m venv "$dir.tmp/buildenv"
   "$dir.tmp/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
     -r lockfiles/llama-cpp-build.txt
   log "compiling libllama ($CMAKE_FLAGS) on $(nproc) cores; takes minutes (ninja's [done/total] below)"
   start=$(date +%s)
   # the build venv's cmake and ninja come first on PATH: the same tools on every machine
-  PATH="$PWD/$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  PATH="$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     "$dir.tmp/buildenv/bin/python" -m pip wheel -v --disable-pip-version-check --no-deps --no-build-isolation \
     -C cmake.verbose=false -w "$dir.tmp/wheel" "$dir.tmp/src/llama_cpp_python-$version" \
     > "$dir.tmp/build.log" 2>&1 &
@@ -59,7 +93,9 @@ if [ ! -f "$dir/done" ]; then
   fi
   log "built in $(( $(date +%s) - start )) s: $(ls "$dir.tmp/wheel")"
   rm -rf "$dir.tmp/buildenv" "$dir.tmp/dl"
+  prune_source "$dir.tmp/src/llama_cpp_python-$version"
   echo "$(( $(date +%s) - start ))" > "$dir.tmp/build_seconds"
+  toolchain > "$dir.tmp/toolchain"
   touch "$dir.tmp/done"
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
 fi
@@ -69,10 +105,11 @@ wheel=$(ls "$dir"/wheel/llama_cpp_python-*.whl)
 stamp="$VENV/.llama-cpp-$version-$key-$(sha256sum "$LOCK" | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   log "installing $(basename "$wheel") (+ lockfiles/llama-cpp.txt) into $VENV"
+  [ -w "$VENV" ] || { log "$VENV is read-only and lacks this llama.cpp build (an image from another lockfiles/llama-cpp.txt?): rebuild it (make docker-build)"; exit 1; }
   # every pin but llama-cpp-python itself (its entry runs until the line without a trailing backslash)
   awk '/^llama-cpp-python==/{skip=1} !skip && !/^#/{print} skip && !/\\$/{skip=0}' "$LOCK" > "$dir/server-req.txt"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r "$dir/server-req.txt"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r "$dir/server-req.txt"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
   rm -f "$VENV"/.llama-cpp-* && touch "$stamp"
 fi
-echo "$PWD/$src/vendor/llama.cpp"
+echo "$src/vendor/llama.cpp"

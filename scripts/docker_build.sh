@@ -6,7 +6,8 @@
 #   REPROTUNE_DOCKER_BASE  replaces the pinned base (CI: reprotune-base:bookworm from scripts/docker_engine.sh)
 #   CA_BUNDLE              CA bundle of a TLS-intercepting proxy, passed as the BuildKit secret 'cabundle' (default:
 #                          the bundle the host's pip/requests already trust: PIP_CERT, SSL_CERT_FILE, REQUESTS_CA_BUNDLE)
-#   LLAMA_CPP=0            skip compiling llama.cpp's tools (scripts/build_llama_cpp.sh)
+#   LLAMA_CPP=0            build the image without llama.cpp's tools (scripts/build_llama_cpp.sh)
+#   LLAMA_CPP_SEED=0       compile llama.cpp in the image even when the host has the same build (see below)
 #   DOCKER_BUILD_FLAGS     extra flags for docker build (e.g. --no-cache, --progress=plain)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,20 @@ if [ -s "$tmp/local-versions.txt" ]; then
   else
     echo "docker-build: the host's pip cannot supply $(grep -o '^[^ ]*==[^ ]*' "$tmp/local-versions.txt" | tr '\n' ' ')locally; the build downloads it from the PyTorch index" >&2
   fi
+fi
+
+# The host's llama.cpp builds (make llama-cpp) go to the build as build/llama-cpp-seed: the image reuses one only
+# when it was built from the same sdist with the same flags, Python, glibc and compiler (build_llama_cpp.sh checks),
+# which saves its compile (minutes); otherwise the image compiles its own.
+rm -rf build/llama-cpp-seed && mkdir -p build/llama-cpp-seed
+host_cache=${LLAMA_CPP_CACHE:-.cache/llama-cpp}
+if [ "${LLAMA_CPP:-1}" = 1 ] && [ "${LLAMA_CPP_SEED:-1}" = 1 ] && [ -d "$host_cache" ]; then
+  for built in "$host_cache"/*/done; do
+    [ -f "$built" ] || continue
+    d=$(dirname "$built")
+    cp -al "$d" build/llama-cpp-seed/ 2>/dev/null || cp -a "$d" build/llama-cpp-seed/
+    echo "docker-build: offering the host's llama.cpp build $(basename "$d") ($(cat "$d/toolchain" 2>/dev/null || echo 'compiler unknown'))"
+  done
 fi
 
 args=(--build-arg "VARIANT=$VARIANT" --build-arg "LLAMA_CPP=${LLAMA_CPP:-1}")

@@ -131,7 +131,8 @@ def test_runner_docker_refuses_an_old_driver(tmp_path: Path) -> None:
 # ---- the image (needs an engine) ----------------------------------------------------------------------------------
 
 def build(tag: str, *flags: str, ca_bundle: Path, variant: str = "cpu") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VARIANT": variant, "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(), "LLAMA_CPP": "0",
+    # llama.cpp's tools are built in (reusing the host's identical build from make test's llama-cpp step)
+    env = {**os.environ, "VARIANT": variant, "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(),
            "CA_BUNDLE": str(ca_bundle), "DOCKER_BUILD_FLAGS": " ".join(["--progress=plain", *flags])}
     return run(["bash", "scripts/docker_build.sh"], cwd=REPO, env=env, timeout=1800)
 
@@ -225,26 +226,67 @@ def workspace_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.docker
-@needs_engine
-def test_smoke_train_in_container_offline(image: dict, tmp_path: Path) -> None:
-    ws = workspace_copy(tmp_path / "ws")
-    env = {k: v for k, v in os.environ.items() if k not in ("REPROTUNE_CACHE", "PYTHONPATH")}
+def container_env() -> dict[str, str]:
+    """make ... RUNNER=docker as a user would call it, with planted secrets and no network in the container."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REPROTUNE_CACHE", "PYTHONPATH", "LLAMA_CPP_CACHE")}
     env.update(DOCKER=docker_client(), HF_TOKEN=CANARY, WANDB_API_KEY=CANARY + "-wandb", REPROTUNE_IMAGE=IMAGE,
                DOCKER_RUN_FLAGS="--network=none")
-    out = run(["make", "test-smoke", "RUNNER=docker", "VARIANT=cpu"], cwd=ws, env=env, timeout=900)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    assert (ws / "outputs/adapter/adapter_model.safetensors").is_file()
-    manifest_text = (ws / "outputs/train/manifest.json").read_text()
-    manifest = json.loads(manifest_text)
-    assert manifest["runtime"]["container_image"] == image["Id"]
-    assert manifest["runtime"]["torch"] == "2.13.0+cpu"
-    assert manifest["lock"]["sha256"] is not None and manifest["git"]["commit"] is not None
-    for text in (log, manifest_text, *(p.read_text(errors="replace") for p in (ws / "outputs").rglob("*.json"))):
+    return env
+
+
+def assert_no_secret(log: str, outputs: Path) -> None:
+    for text in (log, *(p.read_text(errors="replace") for p in outputs.rglob("*.json"))):
         assert CANARY not in text, "a secret value reached a log or an output"
     # the tokens were passed by name: the command lines docker received held no value
     assert "HF_TOKEN=" not in log
+
+
+@pytest.fixture(scope="module")
+def smoke_run(image: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    ws = workspace_copy(tmp_path_factory.mktemp("smoke") / "ws")
+    out = run(["make", "test-smoke", "RUNNER=docker", "VARIANT=cpu"], cwd=ws, env=container_env(), timeout=900)
+    return ws, out
+
+
+@pytest.mark.docker
+@needs_engine
+def test_smoke_train_in_container_offline(image: dict, smoke_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    ws, out = smoke_run
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert (ws / "outputs/adapter/adapter_model.safetensors").is_file()
+    manifest = json.loads((ws / "outputs/train/manifest.json").read_text())
+    assert manifest["runtime"]["container_image"] == image["Id"]
+    assert manifest["runtime"]["torch"] == "2.13.0+cpu"
+    assert manifest["lock"]["sha256"] is not None and manifest["git"]["commit"] is not None
+    assert_no_secret(log, ws / "outputs")
+
+
+# the export tests' tiny settings (tests/export_pipeline.py): an adapter that moves the logits, one quant type
+EXPORT_ARGS = ("model=tiny_random train.learning_rate=0.01 export.quant=[Q8_0] export.parity.greedy_prompts=2 "
+               "export.parity.max_new_tokens=8 export.merge.prompts=2")
+
+
+@pytest.mark.docker
+@needs_engine
+def test_merge_and_gguf_in_container_offline(image: dict, smoke_run: tuple[Path, subprocess.CompletedProcess[str]]
+                                             ) -> None:
+    """make merge gguf RUNNER=docker on the smoke adapter: the image's own llama.cpp (built into /opt/llama.cpp,
+    nothing compiled or downloaded at run time: --network=none) converts, quantizes and passes the parity checks."""
+    ws, smoke = smoke_run
+    assert smoke.returncode == 0, (smoke.stdout + smoke.stderr)[-2000:]
+    out = run(["make", "merge", "gguf", "RUNNER=docker", "VARIANT=cpu", f"ARGS={EXPORT_ARGS}"], cwd=ws,
+              env=container_env(), timeout=900)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "compiling libllama" not in log and "installing llama_cpp_python" not in log
+    gguf = ws / "outputs/gguf"
+    assert sorted(p.name for p in gguf.iterdir()) == ["Modelfile", "model-F16.gguf", "model-Q8_0.gguf", "parity.json"]
+    assert (gguf / "model-Q8_0.gguf").read_bytes()[:4] == b"GGUF"
+    manifest = json.loads((ws / "outputs/export/gguf_manifest.json").read_text())
+    assert manifest["llama_cpp"]["llama_cpp_python"] == "0.3.36"
+    assert manifest["runtime"]["container_image"] == image["Id"]
+    assert_no_secret(log, ws / "outputs")
 
 
 @pytest.mark.docker
@@ -261,16 +303,18 @@ def test_runner_docker_refuses_an_image_from_another_lock(image: dict, tmp_path:
 
 
 def env_listing(tag: str) -> str:
-    """sha256 of every file and symlink under /opt/venv (the installed environment), with modes, sorted."""
+    """sha256 of every file and symlink of the installed environment (/opt/venv, llama.cpp's /opt/llama.cpp), with
+    modes, sorted."""
     script = ("import hashlib, os, stat, sys\n"
-              "for root in ('/opt/venv',):\n"
+              "for root in ('/opt/venv', '/opt/llama.cpp'):\n"
               "    for d, dirs, files in os.walk(root):\n"
               "        dirs.sort()\n"
               "        for f in sorted(files):\n"
               "            p = os.path.join(d, f); st = os.lstat(p)\n"
               "            data = os.readlink(p).encode() if stat.S_ISLNK(st.st_mode) else open(p, 'rb').read()\n"
               "            print(oct(st.st_mode), hashlib.sha256(data).hexdigest(), p)\n")
-    out = run([docker_client(), "run", "--rm", "--network=none", tag, "/usr/bin/python3.11", "-c", script], timeout=600)
+    out = run([docker_client(), "run", "--rm", "--network=none", "--entrypoint", "/usr/bin/python3.11", tag, "-c",
+               script], timeout=600)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -278,13 +322,16 @@ def env_listing(tag: str) -> str:
 @pytest.mark.docker
 @needs_engine
 def test_rebuild_is_byte_identical(image: dict, ca_bundle: Path) -> None:
-    """--no-cache re-runs apt and the whole locked install (pip's download cache is a cache mount, so only the
-    downloads are reused); every installed byte must come out the same."""
+    """--no-cache re-runs apt, the whole locked install and llama.cpp's install (pip's download cache is a cache
+    mount, so only the downloads are reused; llama.cpp's compiled wheel is the host's same build, as in the first
+    image): every installed byte must come out the same."""
     rebuilt = IMAGE + "-rebuild"
-    out = build(rebuilt, "--no-cache", "--target", "env", ca_bundle=ca_bundle)  # the stages that install /opt/venv
+    out = build(rebuilt, "--no-cache", ca_bundle=ca_bundle)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     first, second = env_listing(IMAGE), env_listing(rebuilt)
     assert first.count("\n") > 10_000
+    assert "/opt/venv/lib/python3.11/site-packages/llama_cpp/lib/libllama.so" in first
+    assert "/opt/llama.cpp/" in first and "convert_hf_to_gguf.py" in first
     run([docker_client(), "image", "rm", rebuilt])
     diff = sorted(set(first.splitlines()) ^ set(second.splitlines()))
     assert not diff, f"{len(diff)} lines differ, e.g. {diff[:6]}"

@@ -118,21 +118,38 @@ def test_other_methods_train(method: str, workspace: tuple[Path, list[str]]) -> 
     assert record["config"]["method"]["load_in_4bit"] is (method == "qlora")
 
 
-def test_adapter_config_does_not_depend_on_the_hash_seed(workspace: tuple[Path, list[str]]) -> None:
+def test_adapter_config_does_not_depend_on_the_hash_seed_or_the_cache_path(workspace: tuple[Path, list[str]]) -> None:
     """Two processes with different PYTHONHASHSEED must write the same adapter_config.json (PEFT keeps
-    target_modules in a set)."""
+    target_modules in a set), also when one reaches the model cache by an absolute path (the image sets
+    REPROTUNE_CACHE=/workspace/.cache/reprotune): the base model path is recorded relative to the working dir."""
     import os
     import subprocess
     import sys
 
     root, overrides = workspace
     configs = []
-    for seed in ("1", "2"):
+    absolute_cache = {"REPROTUNE_CACHE": str(Path(".cache/reprotune").resolve())}
+    for seed, extra in (("1", {}), ("2", absolute_cache)):
         out = root / f"run{seed}"
         (out / "data").mkdir(parents=True)
         (out / "data/prepared").symlink_to(root / "data/prepared")
+        env = {k: v for k, v in os.environ.items() if k != "REPROTUNE_CACHE"}
         subprocess.run([sys.executable, "-m", "reprotune.train", *TINY_TRAIN, "train.max_steps=1",
                         f"paths.root={out}"], check=True, capture_output=True, timeout=600,
-                       env=dict(os.environ, PYTHONHASHSEED=seed))
+                       env=dict(env, PYTHONHASHSEED=seed, **extra))
         configs.append((out / "outputs/adapter/adapter_config.json").read_bytes())
     assert configs[0] == configs[1]
+    base = json.loads(configs[0])["base_model_name_or_path"]
+    assert base.startswith(".cache/reprotune/models/tiny-"), base
+
+
+def test_portable_base_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from reprotune.train import portable_base_path
+
+    (tmp_path / "models/m").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert portable_base_path(str(tmp_path / "models/m")) == "models/m"
+    assert portable_base_path("models/m") == "models/m"
+    assert portable_base_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    outside = tmp_path.parent / "elsewhere-not-under-cwd"
+    assert portable_base_path(str(outside)) == str(outside)  # not under cwd: only the absolute path can load it

@@ -359,6 +359,18 @@ Load with PEFT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
     (adapter_dir / "README.md").write_text(text)
 
 
+def portable_base_path(base: str) -> str:
+    """A base model directory under the working directory, relative to it: the same adapter bytes whether the
+    cache is reached as .cache/reprotune or as /workspace/.cache/reprotune (REPROTUNE_CACHE in the image)."""
+    path = Path(base)
+    if path.is_absolute() and path.exists():
+        try:
+            return str(path.resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return base
+    return base
+
+
 def canonicalise_adapter_config(adapter_dir: Path) -> None:
     """PEFT stores target_modules from a Python set, so its order follows the per-process string hash seed:
     sort it, or two identical runs write different adapter_config.json bytes."""
@@ -367,6 +379,8 @@ def canonicalise_adapter_config(adapter_dir: Path) -> None:
     for key in ("target_modules", "modules_to_save", "exclude_modules"):
         if isinstance(config.get(key), list):
             config[key] = sorted(config[key])
+    if isinstance(config.get("base_model_name_or_path"), str):
+        config["base_model_name_or_path"] = portable_base_path(config["base_model_name_or_path"])
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
