@@ -262,6 +262,32 @@ def test_smoke_train_in_container_offline(image: dict, smoke_run: tuple[Path, su
     assert_no_secret(log, ws / "outputs")
 
 
+@pytest.mark.docker
+@needs_engine
+def test_container_and_host_give_the_same_bytes(smoke_run: tuple[Path, subprocess.CompletedProcess[str]],
+                                                tmp_path: Path) -> None:
+    """The same checkout, the same lock, the same command on the host (this .venv) and in the image: the prepared
+    data, every adapter file, the loss curve and its plot come out byte-identical (same CPU, same torch wheel).
+    Only the manifests differ, by design: they record where each ran (host or image id, Python build)."""
+    ws, smoke = smoke_run
+    assert smoke.returncode == 0, (smoke.stdout + smoke.stderr)[-2000:]
+    host = workspace_copy(tmp_path / "host")
+    (host / ".venv").symlink_to(REPO / ".venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("REPROTUNE_CACHE", "PYTHONPATH", "VENV")}
+    out = run(["make", "test-smoke"], cwd=host, env=env, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+    def files(root: Path) -> dict[Path, bytes]:
+        return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and p.name != "manifest.json"}
+
+    for tree in ("data/prepared", "outputs/adapter", "outputs/train"):
+        mine, theirs = files(host / tree), files(ws / tree)
+        assert mine.keys() == theirs.keys() and len(mine) >= 2, tree
+        differ = [str(name) for name in mine if mine[name] != theirs[name]]
+        assert not differ, f"{tree}: host and container differ in {differ}"
+
+
 # the export tests' tiny settings (tests/export_pipeline.py): an adapter that moves the logits, one quant type
 EXPORT_ARGS = ("model=tiny_random train.learning_rate=0.01 export.quant=[Q8_0] export.parity.greedy_prompts=2 "
                "export.parity.max_new_tokens=8 export.merge.prompts=2")
