@@ -70,6 +70,7 @@ if [ ! -f "$dir/done" ]; then
     --require-hashes -r "$dir.tmp/req.txt" -d "$dir.tmp/dl"
   tar -xzf "$dir.tmp/dl/llama_cpp_python-$version.tar.gz" -C "$dir.tmp/src"
   log "build tools from lockfiles/llama-cpp-build.txt"
+  # the build venv's pip is the interpreter's bundled one (Debian's python3.11: pip 23.0.1, no -C short option)
   "$PYTHON" -m venv "$dir.tmp/buildenv"
   "$dir.tmp/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
     -r lockfiles/llama-cpp-build.txt
@@ -78,7 +79,7 @@ if [ ! -f "$dir/done" ]; then
   # the build venv's cmake and ninja come first on PATH: the same tools on every machine
   PATH="$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     "$dir.tmp/buildenv/bin/python" -m pip wheel -v --disable-pip-version-check --no-deps --no-build-isolation \
-    -C cmake.verbose=false -w "$dir.tmp/wheel" "$dir.tmp/src/llama_cpp_python-$version" \
+    --config-settings=cmake.verbose=false -w "$dir.tmp/wheel" "$dir.tmp/src/llama_cpp_python-$version" \
     > "$dir.tmp/build.log" 2>&1 &
   pid=$!
   # progress: ninja's step counter, one line every 20 s

@@ -130,9 +130,10 @@ def test_runner_docker_refuses_an_old_driver(tmp_path: Path) -> None:
 
 # ---- the image (needs an engine) ----------------------------------------------------------------------------------
 
-def build(tag: str, *flags: str, ca_bundle: Path, variant: str = "cpu") -> subprocess.CompletedProcess[str]:
+def build(tag: str, *flags: str, ca_bundle: Path, variant: str = "cpu", llama_cpp: str = "1"
+          ) -> subprocess.CompletedProcess[str]:
     # llama.cpp's tools are built in (reusing the host's identical build from make test's llama-cpp step)
-    env = {**os.environ, "VARIANT": variant, "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(),
+    env = {**os.environ, "VARIANT": variant, "REPROTUNE_IMAGE": tag, "DOCKER": docker_client(), "LLAMA_CPP": llama_cpp,
            "CA_BUNDLE": str(ca_bundle), "DOCKER_BUILD_FLAGS": " ".join(["--progress=plain", *flags])}
     return run(["bash", "scripts/docker_build.sh"], cwd=REPO, env=env, timeout=1800)
 
@@ -313,6 +314,22 @@ def test_merge_and_gguf_in_container_offline(image: dict, smoke_run: tuple[Path,
     assert manifest["llama_cpp"]["llama_cpp_python"] == "0.3.36"
     assert manifest["runtime"]["container_image"] == image["Id"]
     assert_no_secret(log, ws / "outputs")
+
+
+@pytest.mark.docker
+@needs_engine
+def test_image_without_llama_cpp_says_so(image: dict, ca_bundle: Path, tmp_path: Path) -> None:
+    """LLAMA_CPP=0 leaves llama.cpp out; make gguf in that image stops with the reason instead of compiling."""
+    tag = IMAGE + "-nollama"
+    out = build(tag, ca_bundle=ca_bundle, llama_cpp="0")  # the os/env layers are the cached ones of `image`
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    ws = workspace_copy(tmp_path / "ws")
+    env = {**container_env(), "REPROTUNE_IMAGE": tag}
+    out = run(["make", "llama-cpp", "RUNNER=docker", "VARIANT=cpu"], cwd=ws, env=env, timeout=300)
+    run([docker_client(), "image", "rm", tag])
+    assert out.returncode != 0
+    assert "this image was built without llama.cpp's tools (LLAMA_CPP=0): rebuild it with llama.cpp" in out.stderr
+    assert "compiling libllama" not in out.stderr
 
 
 @pytest.mark.docker
