@@ -20,14 +20,18 @@ CACHE=${LLAMA_CPP_CACHE:-.cache/llama-cpp}
 mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)   # absolute: the image keeps it in /opt/llama.cpp
 PYTHON="$VENV/bin/python"   # not python3: an image has Python only in its venv
 LOCK=lockfiles/llama-cpp.txt
-CMAKE_FLAGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+# GGML_NATIVE=OFF: portable. LLAMA_OPENSSL=OFF: llama.cpp's HTTPS model downloader is never used here, and with it ON
+# the build would depend on whether the machine happens to have libssl-dev (it changes libllama-common).
+CMAKE_FLAGS="-DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 
 pin=$(grep -o '^llama-cpp-python==[^ ]*' "$LOCK")
 version=${pin#llama-cpp-python==}
 sha=$(grep -A1 '^llama-cpp-python==' "$LOCK" | grep -o 'sha256:[0-9a-f]*' | head -1 | cut -d: -f2)
 [ -n "$sha" ] || { echo "build_llama_cpp: no sha256 for llama-cpp-python in $LOCK" >&2; exit 2; }
 platform=$("$PYTHON" -c 'import platform, sys; print(sys.version_info[:2], platform.machine(), platform.libc_ver())')
-key=$(printf '%s %s %s' "$sha" "$CMAKE_FLAGS" "$platform" | sha256sum | cut -c1-16)
+# v2: the build maps its own paths to fixed names (-ffile-prefix-map), so the binaries do not depend on where
+# the cache is (__FILE__ in ggml's asserts would otherwise embed it)
+key=$(printf '%s %s %s %s' "$sha" "$CMAKE_FLAGS" "$platform" "paths-v2" | sha256sum | cut -c1-16)
 dir="$CACHE/$version-$key"
 src="$dir/src/llama_cpp_python-$version"
 
@@ -77,9 +81,14 @@ if [ ! -f "$dir/done" ]; then
   log "compiling libllama ($CMAKE_FLAGS) on $(nproc) cores; takes minutes (ninja's [done/total] below)"
   start=$(date +%s)
   # the build venv's cmake and ninja come first on PATH: the same tools on every machine
+  # the source and build trees get fixed names inside the binaries, and llama.cpp's build info must not pick up the
+  # git commit of a repository the cache happens to sit in (GIT_CEILING_DIRECTORIES): the same bytes wherever built
+  prefix_map="-ffile-prefix-map=$dir.tmp/src=/llama-cpp/src -ffile-prefix-map=$dir.tmp/build=/llama-cpp/build"
   PATH="$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    CFLAGS="$prefix_map" CXXFLAGS="$prefix_map" SOURCE_DATE_EPOCH=1767225600 GIT_CEILING_DIRECTORIES="$dir.tmp" \
     "$dir.tmp/buildenv/bin/python" -m pip wheel -v --disable-pip-version-check --no-deps --no-build-isolation \
-    --config-settings=cmake.verbose=false -w "$dir.tmp/wheel" "$dir.tmp/src/llama_cpp_python-$version" \
+    --config-settings=cmake.verbose=false --config-settings=build-dir="$dir.tmp/build" \
+    -w "$dir.tmp/wheel" "$dir.tmp/src/llama_cpp_python-$version" \
     > "$dir.tmp/build.log" 2>&1 &
   pid=$!
   # progress: ninja's step counter, one line every 20 s
@@ -93,7 +102,7 @@ if [ ! -f "$dir/done" ]; then
     log "wheel build failed; full log: $dir.tmp/build.log"; exit 1
   fi
   log "built in $(( $(date +%s) - start )) s: $(ls "$dir.tmp/wheel")"
-  rm -rf "$dir.tmp/buildenv" "$dir.tmp/dl"
+  rm -rf "$dir.tmp/buildenv" "$dir.tmp/dl" "$dir.tmp/build"
   prune_source "$dir.tmp/src/llama_cpp_python-$version"
   echo "$(( $(date +%s) - start ))" > "$dir.tmp/build_seconds"
   toolchain > "$dir.tmp/toolchain"
