@@ -10,7 +10,8 @@
 # version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
 # recorded in <dir>/toolchain.
 # LLAMA_CPP_SEED=<dir> (docker build): a cache directory made elsewhere is reused instead of compiling when its key
-# and its recorded compiler are the same as here (same sdist, flags, Python, glibc, compiler: the same build).
+# and its recorded compiler are the same as here (same sdist, flags, Python, glibc, compiler; README says which
+# libraries come out byte-identical: bench/llama_cpp_build_identity.sh).
 # Prints the source dir on the last line of stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
