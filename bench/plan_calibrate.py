@@ -136,20 +136,15 @@ def run_one(entry: dict[str, Any], extra: list[str], root: Path, prepared: dict[
 
 def data_shape(prepared: Path) -> dict[str, Any]:
     """What the plan reads from the prepared data, copied so the committed table stands alone."""
-    try:
-        from reprotune import plan
-    except ImportError:
-        report = json.loads((prepared / "report.json").read_text())
-        return {"tokens": report["tokens"]["train"], "max_length": report["max_length"]}
+    from reprotune import plan
+
     return plan.data_shape_from_prepared(prepared)
 
 
 def predicted(overrides: list[str], root: Path) -> dict[str, Any] | None:
-    try:
-        from reprotune import plan
-        from reprotune.config import compose
-    except ImportError:
-        return None
+    from reprotune import plan
+    from reprotune.config import compose
+
     cfg = compose([f"paths.root={root}", *overrides])
     memory = plan.make_plan(cfg, device="cuda")["memory"]
     return {"peak_gib": memory["peak_gib"], "parts_gib": memory["parts_gib"]}
