@@ -43,6 +43,10 @@ data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate;
 prepare: data ## Validate, convert, scrub PII, split -> data/prepared/{train,holdout}.jsonl + reports (ARGS="data.path=<file|dir>")
 	$(PY) -m reprotune.prepare $(ARGS)
 
+.PHONY: plan
+plan: venv ## Memory, time and cost of 'make train ARGS=...' before renting a GPU -> outputs/plan.json (no weights loaded)
+	$(PY) -m reprotune.plan $(ARGS)
+
 .PHONY: train
 train: prepare ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
 	$(PY) -m reprotune.train $(ARGS)

@@ -3,6 +3,8 @@
     python bench/plan_calibrate.py                          # the default grid (16 short runs, see GRID)
     python bench/plan_calibrate.py --configs my.json --out /work/notes/gpu/calibration.json
     python bench/plan_calibrate.py --only 8b-lora-ckpt-long 1b-qlora-nockpt-short -- train.max_steps=8
+    python bench/plan_calibrate.py --fold /work/notes/gpu/calibration.json   # add measurements to the table
+    python bench/plan_calibrate.py --table [--write]   # predicted vs measured for conf/plan/calibration.json
 
 Each configuration is `{"name": ..., "data": "short" | "long" | <a .jsonl of chats>, "overrides": [...]}`.
 For each one the script prepares its data once (data.scrub=false: the calibration data is synthetic), then runs
@@ -150,6 +152,48 @@ def predicted(overrides: list[str], root: Path) -> dict[str, Any] | None:
     return {"peak_gib": memory["peak_gib"], "parts_gib": memory["parts_gib"]}
 
 
+TABLE = Path(__file__).resolve().parents[1] / "conf" / "plan" / "calibration.json"
+
+
+def fold(new: Path, table: Path = TABLE) -> None:
+    """Add measured runs to the committed table (same name: the new measurement replaces the old one)."""
+    entries = {e["name"]: e for e in json.loads(table.read_text())}
+    for e in json.loads(new.read_text()):
+        if e.get("measured", {}).get("peak_allocated_gib"):
+            entries[e["name"]] = {k: v for k, v in e.items() if k not in ("predicted", "error")}
+    write_table(list(entries.values()), table)
+
+
+def write_table(entries: list[dict[str, Any]], table: Path = TABLE) -> None:
+    """Record each entry's current prediction and error (tests/test_plan.py fails if a change makes them worse)."""
+    from reprotune import plan
+
+    errors = {r["name"]: r for r in plan.calibration_errors(entries)}
+    for e in entries:
+        if e["name"] in errors:
+            e["predicted"] = {"peak_gib": errors[e["name"]]["predicted_gib"],
+                              "tokens_per_second": errors[e["name"]]["predicted_tokens_per_second"]}
+            e["error"] = errors[e["name"]]["error"]
+    tmp = table.with_name(table.name + ".tmp")
+    tmp.write_text(json.dumps(entries, indent=1) + "\n")
+    os.replace(tmp, table)
+
+
+def print_table(table: Path = TABLE) -> None:
+    from reprotune import plan
+
+    rows = plan.calibration_errors(json.loads(table.read_text()))
+    print("| configuration | predicted GiB | measured GiB | error | reserved GiB (pred / meas) | tok/s (pred / meas) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['predicted_gib']:.2f} | {r['measured_gib']:.2f} | {r['error']:+.1%} | "
+              f"{r['predicted_reserved_gib']:.2f} / {r['measured_reserved_gib'] or '-'} | "
+              f"{r['predicted_tokens_per_second']:,} / {r['measured_tokens_per_second'] or '-'} |")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    print(f"\nworst: {worst['name']} {worst['error']:+.1%}; mean |error| "
+          f"{sum(abs(r['error']) for r in rows) / len(rows):.1%} over {len(rows)} runs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=Path, help="JSON list of {name, data, overrides}; default: GRID")
@@ -157,7 +201,17 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("bench-out/plan"))
     parser.add_argument("--out", type=Path, default=Path("bench-out/plan/calibration.json"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    parser.add_argument("--fold", type=Path, help="add the measurements of this JSON to conf/plan/calibration.json")
+    parser.add_argument("--table", action="store_true", help="print predicted vs measured for the committed table")
+    parser.add_argument("--write", action="store_true", help="with --table: record the current predictions")
     args = parser.parse_args()
+    if args.fold or args.table:
+        if args.fold:
+            fold(args.fold)
+        elif args.write:
+            write_table(json.loads(TABLE.read_text()))
+        print_table()
+        return
     grid = json.loads(args.configs.read_text()) if args.configs else default_grid()
     if args.only:
         grid = [g for g in grid if g["name"] in set(args.only)]

@@ -441,7 +441,7 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
     if data.max_tokens > s.max_length:
         out.append(f"the longest example ({data.max_tokens} tokens) is over train.max_length {s.max_length}: "
                    "TRL truncates it")
-    if data.tokenizer_model and data.tokenizer_model != str(model.name):
+    if data.tokenizer_model and tokenizer_id(data.tokenizer_model) != tokenizer_id(str(model.name)):
         out.append(f"token counts come from {data.tokenizer_model}'s tokenizer (prepared for it), not {model.name}'s: "
                    "re-run make prepare with this model for exact counts")
     if run and run["epochs"] > 1.0 and int(cfg.train.max_steps) > 0:
@@ -451,6 +451,16 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
         out.append(f"{data.examples} examples are fewer than one optimizer step's batch "
                    f"({s.batch_size} x {s.grad_accum})")
     return out
+
+
+def tokenizer_id(preset: str) -> str:
+    """Presets that share a tokenizer (the random shapes use the built-in SmolLM2 one) share token counts."""
+    path = CONF_DIR / "model" / f"{preset}.yaml"
+    if not path.is_file():
+        return preset
+    model = yaml.safe_load(path.read_text())
+    builtin = model.get("builtin") or (model.get("random_init") or {}).get("tokenizer_from_builtin")
+    return f"builtin:{builtin['sha256']}" if builtin else str(model.get("path") or preset)
 
 
 # -------------------------------------------------------------------------------------------------- plan
@@ -612,19 +622,26 @@ def preflight(cfg: DictConfig, device: str) -> bool:
         setting = cfg.hardware.gradient_checkpointing
         return True if setting == "auto" else bool(setting)
     write_plan(plan, cfg)
+    check_fits(cfg, plan, float(free), torch.cuda.get_device_name())
+    log.info("preflight: predicted peak %.2f GiB of %.1f GiB free; activation checkpointing %s",
+             plan["memory"]["peak_gib"], free / GIB, "on" if plan["memory"]["checkpointing"] else "off")
+    return bool(plan["memory"]["checkpointing"])
+
+
+def check_fits(cfg: DictConfig, plan: dict[str, Any], free_bytes: float, gpu_name: str) -> None:
+    """Stop (one line, exit status 2) when the planned run needs more than the GPU has free."""
     consts = load_table("memory.yaml")
     mem = plan["memory"]
-    if needed_bytes(mem, consts) > free:
-        shape, data = model_shape(cfg.model), load_data_shape(cfg)
-        s = settings_from_cfg(cfg, checkpointing=True)
-        found = fitting_setting(shape, s, data, free / GIB, consts)
-        hint = (f"settings that fit: {' '.join(overrides_for(found[0], s))} ({found[1]['card_gib']} GiB)"
-                if found else "nothing fits this GPU; use a larger card (make plan shows which)")
-        raise SystemExit(f"train: preflight: predicted {mem['card_gib']} GiB (peak {mem['peak_gib']} GiB allocated) "
-                         f"> {free / GIB:.1f} GiB free on {torch.cuda.get_device_name()}; {hint}")
-    log.info("preflight: predicted peak %.2f GiB of %.1f GiB free; activation checkpointing %s", mem["peak_gib"],
-             free / GIB, "on" if mem["checkpointing"] else "off")
-    return bool(mem["checkpointing"])
+    if needed_bytes(mem, consts) <= free_bytes:
+        return
+    shape, data = model_shape(cfg.model), load_data_shape(cfg)
+    s = settings_from_cfg(cfg, checkpointing=True)
+    found = fitting_setting(shape, s, data, free_bytes / GIB, consts)
+    hint = (f"settings that fit: {' '.join(overrides_for(found[0], s))} ({found[1]['card_gib']} GiB)"
+            if found else "nothing fits this GPU; use a larger card (make plan shows which)")
+    print(f"train: preflight: predicted {mem['card_gib']} GiB (peak {mem['peak_gib']} GiB allocated) > "
+          f"{free_bytes / GIB:.1f} GiB free on {gpu_name}; {hint}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _plain(node: Any) -> dict[str, Any]:

@@ -425,6 +425,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.train.eval_steps:
         rows, val_rows = split_validation(rows, float(cfg.train.val_fraction))
 
+    from reprotune import plan  # the memory plan decides checkpointing=auto and stops a run that cannot fit
+    cfg.hardware.gradient_checkpointing = plan.preflight(cfg, device)
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg)
     original_template = tokenizer.chat_template
