@@ -81,9 +81,15 @@ def read_messages(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                rows.append({"messages": json.loads(line)["messages"]})
+                example = json.loads(line)
+                rows.append({"messages": example["messages"],
+                             **({"tools": json.dumps(example["tools"])} if example.get("tools") else {})})
     if not rows:
         raise SystemExit(f"train: {path} holds no examples")
+    if any("tools" in row for row in rows):
+        # TRL passes a "tools" column (JSON text: Arrow would widen objects) to the chat template's tools=;
+        # Dataset.from_list takes its columns from the first row, so every row gets one
+        rows = [{**row, "tools": row.get("tools")} for row in rows]
     return rows
 
 
