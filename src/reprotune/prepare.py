@@ -79,8 +79,9 @@ def drop_duplicates(records: list[Record]) -> tuple[list[Record], int]:
 # --- scrubbing -----------------------------------------------------------------------------------------------
 
 
-def scrub(records: list[Record], cfg: DictConfig) -> tuple[list[list[dict]], dict[str, Any]]:
-    """Scrubbed messages per record and the PII report (counts only)."""
+def scrub(records: list[Record], cfg: DictConfig,
+          trace: list[dict] | None = None) -> tuple[list[list[dict]], dict[str, Any]]:
+    """Scrubbed messages per record and the PII report (counts only); trace: see Scrubber.scrub."""
     from tqdm import tqdm
 
     from reprotune.pii import Scrubber, ScrubberUnavailable, detector_info
@@ -88,12 +89,13 @@ def scrub(records: list[Record], cfg: DictConfig) -> tuple[list[list[dict]], dic
     pii = cfg.data.pii
     try:
         scrubber = Scrubber(seed=int(pii.seed), entities=list(pii.entities), names=bool(pii.names),
-                            ner_model=str(pii.ner_model), phone_regions=list(pii.phone_regions))
+                            ner_model=str(pii.ner_model), phone_regions=list(pii.phone_regions),
+                            allow=list(pii.get("allow") or []))
     except (ScrubberUnavailable, ValueError) as err:
         raise DataError([f"{cfg.data.path}:0: data.pii: {err}"]) from err
     progress = lambda texts: tqdm(texts, desc="scrubbing PII", unit="text", leave=False,  # noqa: E731
                                   disable=None, mininterval=2)
-    messages, report = scrubber.scrub([r.messages for r in records], progress=progress)
+    messages, report = scrubber.scrub([r.messages for r in records], progress=progress, trace=trace)
     return messages, {"scrub": True, **report.as_dict(), "detector": detector_info(scrubber)}
 
 
