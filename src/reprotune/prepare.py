@@ -201,12 +201,13 @@ def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[di
     problems = []
     where = f"{cfg.data.path}:0"
     if n_tools:
-        for name, template in ((f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})",
-                                None), (f"model.training_chat_template ({model.get('training_chat_template')})",
-                                        training)):
-            if (template is not None or name.startswith("model.chat_template")) and not renders_tools(tokenizer, template):
-                problems.append(f"{where}: tools: {n_tools} example(s) use tools, but {name} cannot render tools; "
-                                f"set {TOOL_TEMPLATES} (or your model's own tool-capable templates)")
+        unable = [name for name, template, used in (
+            (f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})", None, True),
+            (f"model.training_chat_template ({model.get('training_chat_template')})", training, training is not None))
+            if used and not renders_tools(tokenizer, template)]
+        if unable:
+            problems.append(f"{where}: tools: {n_tools} example(s) use tools, but {' and '.join(unable)} cannot "
+                            f"render tools; set {TOOL_TEMPLATES} (or your model's own tool-capable templates)")
     if n_weight and bool(cfg.train.assistant_only_loss):
         if training is None:
             problems.append(f"{where}: weight: {n_weight} example(s) have assistant messages with weight 0, which "
