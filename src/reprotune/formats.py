@@ -397,6 +397,7 @@ def check_conversation(messages: list[dict[str, Any]], line: int, fld: str, prob
             problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown(msg)} is only allowed as the first turn")
             return False
         if i == 0 and msg["role"] == "system":
+            previous = msg
             continue
         expected = expected_after(previous)
         if msg["role"] not in expected:

@@ -72,10 +72,11 @@ SALUTATIONS = {"dear", "hi", "hello", "hey", "attn", "attn.", "thanks", "cc"}
 # bench/pii_quality.py measures what this buys (precision) and costs (recall of planted private names).
 PRIVATE_LABEL = re.compile(
     r"(?:\b(?:name|full name|contact|customer|client|patient|employee|applicant|tenant|landlord|recipient|sender|"
-    r"from|to|cc|bcc|attn|passenger|guest|user|owner|holder|account holder|beneficiary|emergency contact|signed|"
+    r"attn|passenger|holder|account holder|beneficiary|emergency contact|signed|nombre|nom|"
     r"signature|reported by|assigned to|requested by|submitted by|approved by|prepared by|bill to|ship to|sold to|"
-    r"driver|student|member|contact person|customer name|buyer|seller|payee|caller|candidate|witness)\s*[:=]\s*"
-    r"|\b(?:my name is|my name's|name is|i am|i'm|call me|dear|hi|hello|hey|attn\.?|c/o|mr\.?|mrs\.?|"
+    r"contact person|customer name|payee|caller|candidate|witness)\s*[:=]\s*"
+    r"|\b(?:my name is|my name's|me llamo|je m'appelle|ich heiße|nombre|i am|i'm|call me|dear|hi|hello|hey|"
+    r"attn\.?|c/o|mr\.?|mrs\.?|"
     r"ms\.?|miss|mx\.?|forward (?:this|it) to|send (?:this|it) to|email|e-mail|ping|cc'?d?|contact|reach out to|"
     r"spoke (?:to|with)|talked (?:to|with)|met with|(?:regards|sincerely|thanks|thank you|cheers|best|yours(?: truly)?),?"
     r"\s*\n?)\s*"
@@ -94,7 +95,10 @@ DOTTED_PHONE_GROUPS = {(3, 3, 4), (2, 2, 2, 2, 2), (3, 4), (3, 3, 3), (4, 3, 3),
 # Faker locales whose given names are written in Latin script (the NER model reads English text)
 NAME_LOCALES = ("en_US", "en_GB", "en_IE", "en_IN", "es_ES", "es_MX", "de_DE", "fr_FR", "it_IT", "pt_PT",
                 "pt_BR", "nl_NL", "pl_PL", "sv_SE", "da_DK", "no_NO", "fi_FI", "cs_CZ", "ro_RO", "tr_TR",
-                "hu_HU", "hr_HR", "sk_SK", "sl_SI", "lt_LT", "lv_LV", "et_EE", "id_ID", "fil_PH")
+                "hu_HU", "hr_HR", "sk_SK", "sl_SI", "lt_LT", "lv_LV", "et_EE", "id_ID", "fil_PH",
+                # names of people from Africa and South Asia too (fewer of their names were recognised)
+                "en_NG", "en_KE", "en_PK", "yo_NG", "ig_NG", "ha_NG", "tw_GH", "zu_ZA", "sw", "es_AR", "es_CO",
+                "fr_CA", "de_AT", "de_CH", "ga_IE", "is_IS", "az_AZ")
 
 
 class ScrubberUnavailable(RuntimeError):
@@ -365,6 +369,65 @@ def _allowed(value: str, entity: str, allow: frozenset[str]) -> bool:
     return entity == "PERSON" and any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", folded) for a in allow)
 
 
+@functools.cache
+def common_words() -> frozenset[str]:
+    """Words that make a capitalised phrase after a cue something other than a name ("Dear Customer Service")."""
+    from faker.providers.lorem.en_US import Provider
+
+    roles = {"customer", "service", "support", "team", "department", "sales", "manager", "office", "desk", "center",
+             "centre", "help", "admin", "staff", "sir", "madam", "all", "everyone", "friends", "colleagues",
+             "hiring", "committee", "board", "human", "resources", "hr", "it", "user", "guest", "member", "owner",
+             "client", "reader", "applicant", "candidate", "mom", "dad", "mum", "mother", "father", "there",
+             "world", "folks", "guys", "assistant", "bot", "chatgpt", "gpt", "ai", "claude", "gemini", "siri",
+             "alexa", "copilot", "llama", "bard", "not", "sure", "here", "happy", "sorry", "glad", "going",
+             "writing", "looking", "trying", "interested", "new", "back", "just", "also", "still", "very"}
+    return frozenset(Provider.word_list) | roles | ORG_WORDS | CALENDAR_WORDS | TITLES | SALUTATIONS
+
+
+WORD = re.compile(r"[^\W\d_]+(?:['’-][^\W\d_]+)*")
+
+
+def cued_names(text: str) -> list[Finding]:
+    """Names right after a cue (Patient:, my name is, Dear, my neighbour...) that NER or the name lists miss:
+    a given name alone, or two or three capitalised words that are not common English words."""
+    words = list(WORD.finditer(text))
+    out, i = [], 0
+    while i < len(words):
+        first = words[i]
+        if not _name_word(first.group(0)) or not PRIVATE_LABEL.search(text[max(0, first.start() - 60):first.start()]):
+            i += 1
+            continue
+        run = [first]
+        while len(run) < 3 and i + len(run) < len(words):
+            nxt = words[i + len(run)]
+            if not (_name_word(nxt.group(0)) and re.fullmatch(r"[ \t]+", text[run[-1].end():nxt.start()])):
+                break
+            run.append(nxt)
+        tokens = [w.group(0) for w in run]
+        common = common_words()
+        while tokens and tokens[-1].lower() in common:
+            tokens.pop()
+        if len(tokens) >= 2 and not any(t.lower() in common for t in tokens) or \
+                len(tokens) == 1 and tokens[0] in given_names():
+            out.append(Finding("PERSON", first.start(), run[len(tokens) - 1].end()))
+        i += len(run)
+    return out
+
+
+def _name_word(word: str) -> bool:
+    return len(word) > 1 and word[0].isupper() and not word.isupper()
+
+
+def _trim_quotes(text: str, f: Finding) -> Finding:
+    """spaCy's PERSON span can take the closing quote of "...regards, Jane Roe'" with it."""
+    start, end = f.start, f.end
+    while end > start and text[end - 1] in "'’\"”":
+        end -= 1
+    while start < end and text[start] in "'‘\"“":
+        start += 1
+    return Finding(f.entity, start, end)
+
+
 def labelled_ssns(text: str) -> list[Finding]:
     """A number in SSN form right after an SSN label is someone's SSN to a reader, even one Presidio rejects
     as never issued (078-05-1120, the wallet-card number, appears in real data as a person's)."""
@@ -387,6 +450,8 @@ def detect(analyzer: Any, text: str, entities: set[str], allow: frozenset[str] =
             findings.append(Finding(entity, found[0], found[0] + len(found[1])))
         else:
             findings.append(Finding(entity, result.start, result.end))
+    if "PERSON" in entities:
+        findings = [_trim_quotes(text, f) if f.entity == "PERSON" else f for f in findings] + cued_names(text)
     findings = [f for f in findings if not _allowed(text[f.start:f.end], f.entity, allow)]
     findings = [f for f in findings if f.entity != "PERSON" or _private_context(text, f, findings)]
     # longer span first; on a tie the more specific type (an account number with its context is not a phone)
