@@ -228,10 +228,17 @@ def test_private_names_are_replaced_consistently_everywhere_in_the_example(scrub
 
 
 def test_allow_list_keeps_terms(scrubber: Scrubber) -> None:
-    text = "Contact: Jane Roe, jane.roe@example.org. Dear Acme Support, thanks."
+    text = "Contact: Jane Roe, jane.roe@acme-mail.org. Dear Acme Support, thanks."
     keep = Scrubber(seed=0, allow=["jane roe"])
     out = one(keep, text)[0]
-    assert "Jane Roe" in out and "jane.roe@example.org" not in out
+    assert "Jane Roe" in out and "jane.roe@acme-mail.org" not in out
+    assert "Jane Roe" not in one(scrubber, text)[0]
+
+
+def test_reserved_example_domains_are_not_personal(scrubber: Scrubber) -> None:
+    text = "Sign up as johndoe@example.com or test@mail.example; write to boss@acme-corp.com."
+    out = one(scrubber, text)[0]
+    assert "johndoe@example.com" in out and "test@mail.example" in out and "boss@acme-corp.com" not in out
 
 
 @pytest.mark.parametrize("text", ["The value is 0.762848570174394 after 10 steps.",

@@ -86,6 +86,7 @@ PRIVATE_LABEL = re.compile(
     r"doctor|therapist|teacher|student|client|customer|employee|assistant|kid|child|baby|ex|classmate|"
     r"stepson|stepdaughter|in-law|mother-in-law|father-in-law),?\s+)$",
     re.IGNORECASE)
+RESERVED_EMAIL_DOMAIN = re.compile(r"(?:^|\.)(?:example\.(?:com|org|net)|example|test|invalid|localhost)$")
 NEAR_OTHER_PII = 80  # characters: a name this close to an email, phone, account... is someone's contact data
 SSN_LABELLED = re.compile(r"\b(?:ssn|social security(?:\s+(?:number|no\.?|#))?|soc\.?\s*sec\.?(?:\s*no\.?)?)"
                           r"\s*(?:number|no\.?|#)?\s*[:#]?\s*(\d{3}([- ]?)\d{2}\2\d{4})\b", re.IGNORECASE)
@@ -233,6 +234,9 @@ def _make_email_recognizer() -> Any:
 
     class OfflineEmailRecognizer(EmailRecognizer):
         def validate_result(self, pattern_text: str) -> bool:
+            domain = pattern_text.rsplit("@", 1)[-1].lower()
+            if RESERVED_EMAIL_DOMAIN.search(domain):
+                return False  # example.com & co. (RFC 2606) cannot be anyone's mailbox: not personal data
             return extract(pattern_text).fqdn != ""
 
     return OfflineEmailRecognizer()
