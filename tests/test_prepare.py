@@ -210,3 +210,18 @@ def test_cli_total_is_right_past_the_cap(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert f"{bad}: ... and 239 more problems" in proc.stderr
     assert "prepare: 289 problem(s); nothing written" in proc.stderr
+
+
+def test_pii_review_prints_replacements_in_context_and_writes_nothing(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    from reprotune.pii_review import review
+
+    rows = generate(6, seed=11)
+    rows[2]["messages"][1]["content"] += "\nContact: Priya Raman, priya.raman@acme-mail.org"
+    write_jsonl(tmp_path / "data/raw/invoices.jsonl", rows)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    shown = review(compose([f"paths.root={tmp_path}", "model=tiny_random"]))
+    out = capsys.readouterr().out
+    assert {t["original"] for t in shown} == {"Priya Raman", "priya.raman@acme-mail.org"}
+    assert "data/raw/invoices.jsonl:3  PERSON" in out and "Contact: [Priya Raman -> " in out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # terminal only
