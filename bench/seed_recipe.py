@@ -66,7 +66,7 @@ def seed_shaped_examples(tokenizer, n: int = 2000, seed: int = 0, lo: int = 214,
     return rows
 
 
-def prepare(out: Path, model: str, overrides: list[str], n: int) -> tuple[str, Path, dict]:
+def prepare(out: Path, model: str, overrides: list[str], n: int, source: Path | None = None) -> tuple[str, Path, dict]:
     """Materialise the model and write the seed-shaped data once; returns (model_dir, train.jsonl, stats)."""
     from transformers import AutoTokenizer
 
@@ -78,7 +78,8 @@ def prepare(out: Path, model: str, overrides: list[str], n: int) -> tuple[str, P
     data = out / "data" / "prepared" / "train.jsonl"
     tok = AutoTokenizer.from_pretrained(model_dir)
     if not data.is_file():
-        rows = seed_shaped_examples(tok, n)
+        rows = ([json.loads(line) for line in source.read_text().splitlines() if line.strip()] if source
+                else seed_shaped_examples(tok, n))
         data.parent.mkdir(parents=True, exist_ok=True)
         tmp = data.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=Path("bench-out/seed_recipe"))
+    parser.add_argument("--data", type=Path, help="a prepared train.jsonl instead of the seed-shaped data")
     parser.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "DATA", "METHOD", "RESULT"), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the reprotune runs (after --)")
     args = parser.parse_args()
@@ -165,7 +167,7 @@ def main() -> None:
         return
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir, data, stats = prepare(args.out, args.model, args.overrides, args.examples)
+    model_dir, data, stats = prepare(args.out, args.model, args.overrides, args.examples, args.data)
     print(f"data: {stats['examples']} examples, {stats['min']}-{stats['max']} tokens, mean {stats['mean']:.0f}")
     if not args.runs:
         return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,6 +35,8 @@ class FastPath:
     attn_implementation: str | None  # None: the model's default (SDPA)
     liger: bool
     activation_checkpointing: bool
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
     reasons: tuple[str, ...]
 
     def as_record(self) -> dict[str, Any]:
@@ -48,7 +51,7 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def choose(cfg: DictConfig, device: str, checkpointing_needed: bool | None = None) -> FastPath:
+def choose(cfg: DictConfig, device: str, fitted: tuple[int, int, bool, str] | None = None) -> FastPath:
     """The speed settings of a run, from hardware.* and train.packing ('auto' or null: decided here)."""
     hw = cfg.hardware
     fast = device == "cuda" if _auto(hw.get("fast_path", "auto")) else bool(hw.fast_path)
@@ -73,31 +76,67 @@ def choose(cfg: DictConfig, device: str, checkpointing_needed: bool | None = Non
             reasons.append("liger-kernel not installed (pip install liger-kernel): unfused norms/activations")
     liger = bool(liger)
 
+    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt = hw.gradient_checkpointing
     if _auto(ckpt):
-        ckpt = bool(checkpointing_needed) if device == "cuda" else False
-        reasons.append(f"activation checkpointing {'on: needed to fit' if ckpt else 'off: fits without'}")
-    return FastPath(packing=packing, attn_implementation=attn, liger=liger,
-                    activation_checkpointing=bool(ckpt), reasons=tuple(reasons))
+        ckpt = False
+        if device == "cuda" and fitted:
+            rows, accum, ckpt, why = fitted
+            reasons.append(why)
+    return FastPath(packing=packing, attn_implementation=attn, liger=liger, activation_checkpointing=bool(ckpt),
+                    per_device_train_batch_size=rows, gradient_accumulation_steps=accum, reasons=tuple(reasons))
 
 
 # ------------------------------------------------------------------------------- memory (interim rule)
-# Until `make plan`'s memory model decides, a measured rule: activations kept for the backward, per token and
-# layer, were ~(16 h + 4 i) bf16 values on the H200 (8B shape, packed, no checkpointing: 47.6 GiB peak for
-# 4 x 1100 tokens with 13.8 GiB of weights).
-def tokens_per_micro_batch(cfg: DictConfig, packing: bool) -> int:
-    return int(cfg.train.per_device_train_batch_size) * int(cfg.train.max_length)
+# Until `make plan`'s memory model decides, a rule fitted to H200 runs (8B shape, 4 packed rows of 1,100 tokens):
+# activations kept for the backward, per token and layer, ~(16 h + 4 i) bf16 values unfused and ~(10 h + 2 i)
+# with Liger's fused kernels (QLoRA, no checkpointing: 23.6 GiB allocated with 4.1 GiB of NF4 weights).
+GIB = 2**30
 
 
-def checkpointing_needed(cfg: DictConfig, model_config: Any, free_bytes: int, packing: bool) -> bool:
+def weight_bytes(model_config: Any, four_bit: bool) -> float:
     c = model_config
-    n_params = matmul_flops_per_token(c) / 2 + c.hidden_size * c.vocab_size
-    weight_bytes = n_params * (0.56 if cfg.method.load_in_4bit else 2.0)
-    act_bytes = tokens_per_micro_batch(cfg, packing) * c.num_hidden_layers * (16 * c.hidden_size
-                                                                             + 4 * c.intermediate_size) * 2
-    need = weight_bytes + act_bytes + 2 * 2**30
-    log.info("memory without checkpointing: ~%.1f GiB of %.1f GiB free", need / 2**30, free_bytes / 2**30)
-    return need > 0.9 * free_bytes
+    head_and_embeddings = 2 * c.vocab_size * c.hidden_size
+    linear = matmul_flops_per_token(c) / 2 - c.vocab_size * c.hidden_size
+    return head_and_embeddings * 2 + linear * (0.516 if four_bit else 2.0)  # NF4 + double-quantised scales
+
+
+def estimate_peak_bytes(model_config: Any, tokens: int, four_bit: bool, liger: bool, checkpointing: bool) -> float:
+    c = model_config
+    if checkpointing:  # each layer's input, plus one layer's activations while it is recomputed
+        per_token = c.num_hidden_layers * c.hidden_size * 2 + (16 * c.hidden_size + 4 * c.intermediate_size) * 2
+    else:
+        per_layer = (10 * c.hidden_size + 2 * c.intermediate_size) if liger else (16 * c.hidden_size
+                                                                                 + 4 * c.intermediate_size)
+        per_token = c.num_hidden_layers * per_layer * 2
+    return weight_bytes(c, four_bit) + tokens * per_token + 1.5 * GIB
+
+
+def memory_budget(cfg: DictConfig, free_bytes: int) -> float:
+    """hardware.memory_budget_gib, or auto: 20 GiB for 4-bit runs (QLoRA is how a run fits a 24 GB card, so its
+    default plan must), else 90% of the GPU's free memory."""
+    budget = cfg.hardware.get("memory_budget_gib", "auto")
+    if _auto(budget):
+        return 20 * GIB if cfg.method.load_in_4bit else 0.9 * free_bytes
+    return float(budget) * GIB
+
+
+def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bool) -> tuple[int, int, bool, str]:
+    """(rows per micro-batch, gradient accumulation, checkpointing, why): the configured global batch is kept;
+    fewer rows with more accumulation come first (cheaper than recomputing every layer), checkpointing last."""
+    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
+    length, four_bit = int(cfg.train.max_length), bool(cfg.method.load_in_4bit)
+    r = rows
+    while r >= 1:
+        if rows % r == 0:
+            need = estimate_peak_bytes(model_config, r * length, four_bit, liger, checkpointing=False)
+            if need <= budget:
+                why = (f"~{need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget without checkpointing"
+                       + (f"; micro-batch {rows} -> {r} rows, accumulation {accum} -> {accum * rows // r}" if r != rows else ""))
+                return r, accum * rows // r, False, why
+        r -= 1
+    need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=True)
+    return rows, accum, True, f"checkpointing on: ~{need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget"
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -130,7 +169,7 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF1
     return tokens_per_second * flops_per_token / peak
 
 
-def step_timer_callback(skip_first: int = 2):
+def step_timer_callback(skip_first: int = 2, stop_before: int | None = None):
     """A TrainerCallback timing every optimizer step (GPU-synchronised), so tokens/s can leave out the first
     steps (kernel compilation, autotuning, allocator warm-up) as well as report the whole run."""
     from transformers import TrainerCallback
@@ -153,9 +192,10 @@ def step_timer_callback(skip_first: int = 2):
             self._mark(state)
 
         def steady_tokens_per_second(self) -> float | None:
-            if len(self.marks) < skip_first + 2:
+            marks = [m for m in self.marks if stop_before is None or m[0] <= stop_before]
+            if len(marks) < skip_first + 2:
                 return None
-            (_, t0, n0), (_, t1, n1) = self.marks[skip_first], self.marks[-1]
+            (_, t0, n0), (_, t1, n1) = marks[skip_first], marks[-1]
             return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
         def step_seconds(self) -> list[float]:
@@ -190,6 +230,7 @@ def profiler_callback(steps: tuple[int, int], out_table: str):
                     table = averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=90)
                 except (AttributeError, KeyError):
                     table = averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+                os.makedirs(os.path.dirname(out_table), exist_ok=True)
                 with open(out_table, "w") as fh:
                     fh.write(f"torch.profiler, optimizer steps {steps[0]}..{steps[1]}\n{table}\n")
                 log.info("profile of steps %s written to %s", steps, out_table)
