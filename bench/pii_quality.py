@@ -10,7 +10,7 @@ reprotune.pii.Scrubber and prints:
 - per real file: records in, kept, dropped, and why;
 - recall of each planted type (the planted value is gone from its record's scrubbed text);
 - precision of name replacements: every distinct replaced name, labelled by hand in
-  tests/data/real/name_labels.json as a private person or not (planted names are private by construction);
+  bench/pii_name_labels.json as a private person or not (planted names are private by construction);
   replacements without a label are listed with --show-unlabelled (label them before trusting the number);
 - scrubbing time per 1,000 records on this machine.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 REAL = REPO / "tests/data/real"
-LABELS = REAL / "name_labels.json"
+LABELS = REPO / "bench/pii_name_labels.json"
 
 FIRST = ["Priya", "Tomasz", "Aoife", "Mateo", "Ingrid", "Kwame", "Sofia", "Lars", "Amara", "Dmitri", "Chloe",
          "Rahul", "Elena", "Jonas", "Fatima", "Hugo", "Nadia", "Pavel", "Leila", "Oscar", "Hannah", "Emeka",

@@ -161,7 +161,8 @@ def test_non_string_and_empty_content(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "  "}]},
         {"prompt": 3, "completion": None}, ))
     assert problems_of(path) == [
-        f"{path}:1: messages[0].content: must be a string, got an array",
+        f'{path}:1: messages[0].content: must be a string or a list of {{"type": "text", "text": ...}} parts, '
+        f"got an array with other parts",
         f"{path}:1: messages[1].content: is empty",
         f"{path}:2: (keys): mixed formats in one file: this record is prompt_completion, but line 1 made the file chat",
     ]
@@ -299,6 +300,13 @@ def test_weight_zero_is_kept_per_message(tmp_path: Path) -> None:
     (record,) = read_file(path, on_invalid="skip").records
     assert record.messages == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "old", "weight": 0},
                                {"role": "user", "content": "b"}, {"role": "assistant", "content": "new"}]
+
+
+def test_openai_text_parts_are_joined(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.jsonl", jsonl({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": "Hi"}]}))
+    assert read_file(path).records[0].messages[0] == {"role": "user", "content": "Hello, world"}
 
 
 def test_conversational_prompt_completion(tmp_path: Path) -> None:

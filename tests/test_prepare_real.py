@@ -18,8 +18,8 @@ EXPECTED = {  # file: (format, kept, dropped, the reason of the first dropped re
     "llamafactory_alpaca_zh_demo.json": ("alpaca", 200, 0, None),
     "llamafactory_glaive_toolcall_en_demo.json": ("sharegpt", 100, 0, None),
     "llamafactory_identity.json": ("alpaca", 91, 0, None),
-    "llamafactory_reason_tool_use_demo.jsonl": ("chat", 0, 20, "messages[0].content: must be a string, got an array"),
-    "llamafactory_v1_sft_demo.jsonl": ("chat", 0, 100, "messages[0].content: must be a string, got an array"),
+    "llamafactory_reason_tool_use_demo.jsonl": ("chat", 0, 20, "messages[0].content: must be a string or a list of {\"type\": \"text\", \"text\": ...} parts"),
+    "llamafactory_v1_sft_demo.jsonl": ("chat", 0, 100, "messages[0].content: must be a string or a list of {\"type\": \"text\", \"text\": ...} parts"),
     "openai_cookbook_drone_training.jsonl": ("chat", 2, 1, "messages[2].tool_calls[0].arguments: must be a JSON "
                                                            "object, got a string"),
     "openai_cookbook_toy_chat_fine_tuning.jsonl": ("chat", 3, 1, "messages[1]: roles out of order: assistant after "

@@ -223,6 +223,10 @@ def _text(value: Any, line: int, fld: str, reader: _Reader, allow_empty: bool = 
     if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text"
                                                  and isinstance(p.get("text"), str) for p in value):
         value = "".join(p["text"] for p in value)
+    if isinstance(value, list):
+        reader.add(line, fld, 'must be a string or a list of {"type": "text", "text": ...} parts, got an array '
+                              'with other parts')
+        return None
     if not isinstance(value, str):
         reader.add(line, fld, f"must be a string, got {_type_name(value)}")
         return None
