@@ -185,29 +185,40 @@ class Settings:
     grad_accum: int
     max_length: int
     eager_attention: bool
-    mask_repeats_kv: bool     # SDPA with an attention mask repeats K/V to every head
+    mask_repeats_kv: bool     # SDPA with a mask (and flex attention) repeat K/V to every head
     dtype_bytes: int
+    liger: bool = False       # Liger's fused RMSNorm/SwiGLU/RoPE
+    input_casts: bool = False  # PEFT's per-adapter input casts (train.py disables them under bf16 autocast)
+
+
+def _auto(value: Any) -> bool:
+    return value is None or value == "auto"
 
 
 def settings_from_cfg(cfg: DictConfig, checkpointing: bool | None = None) -> Settings:
+    """The settings `make train` would use on a GPU (or on the CPU with hardware.device=cpu), resolved as
+    reprotune.speed.choose resolves them: the fast path packs, uses flex attention and Liger's kernels."""
     method, train, hw = cfg.method, cfg.train, cfg.hardware
     targets = method.target_modules or cfg.model.lora_target_modules
     targets = [targets] if isinstance(targets, str) else list(targets)
-    ckpt = hw.gradient_checkpointing
-    if checkpointing is not None:
-        ckpt = checkpointing
-    elif ckpt == "auto":
-        ckpt = True  # the conservative reading until a memory budget decides (decide_checkpointing)
-    attn = str(hw.get("attn_implementation") or cfg.model.get("attn_implementation") or "sdpa")
-    eager = cfg.repro == "strict" or attn == "eager"
-    cpu_fp32 = hw.dtype == "float32" or (hw.dtype == "auto" and hw.device == "cpu")
+    cuda = hw.device != "cpu"
+    fast = cuda if _auto(hw.get("fast_path", "auto")) else bool(hw.fast_path)
+    packing = fast if _auto(train.get("packing")) else bool(train.packing)
+    attn = hw.get("attn_implementation", "auto")
+    if _auto(attn):
+        attn = "eager" if cfg.repro == "strict" and not packing else ("flex_attention" if packing and cuda else "sdpa")
+    liger = hw.get("liger_kernel", "auto")
+    liger = fast and cuda if _auto(liger) else bool(liger)  # the CUDA lock installs liger-kernel
+    ckpt = hw.gradient_checkpointing if checkpointing is None else checkpointing
+    cpu_fp32 = hw.dtype == "float32" or (hw.dtype == "auto" and not cuda)
     return Settings(method=str(method.name), load_in_4bit=bool(method.load_in_4bit),
                     double_quant=bool(method.get("bnb_4bit_use_double_quant", False)),
-                    dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets), checkpointing=bool(ckpt),
-                    packing=bool(train.packing), batch_size=int(train.per_device_train_batch_size),
+                    dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
+                    checkpointing=True if _auto(ckpt) else bool(ckpt),  # auto: decided by fit_setting
+                    packing=packing, batch_size=int(train.per_device_train_batch_size),
                     grad_accum=int(train.gradient_accumulation_steps), max_length=int(train.max_length),
-                    eager_attention=eager, mask_repeats_kv=not attn.startswith("flash") and not eager,
-                    dtype_bytes=4 if cpu_fp32 else 2)
+                    eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
+                    dtype_bytes=4 if cpu_fp32 else 2, liger=liger, input_casts=False)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -234,14 +245,17 @@ def adapter_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
     """Trainable parameters + gradients + AdamW states: fp32 for LoRA on a 16-bit base (PEFT's autocast of
     adapter dtypes), bf16 for QLoRA (TRL casts the adapters of a quantised model to bf16)."""
     per = 2 if (s.load_in_4bit and s.dtype_bytes == 2) else 4
-    return p.trainable * per * (2 + consts["optimizer"]["states_per_param"])
+    autocast_copy = 2 if per == 4 and s.dtype_bytes == 2 else 0  # bf16 copies of fp32 adapters, kept for backward
+    return p.trainable * (per * (2 + consts["optimizer"]["states_per_param"]) + autocast_copy)
 
 
 def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) -> float:
     """Bytes per token that one decoder layer keeps for backward (no checkpointing)."""
     a = consts["activations"]
-    c = a["qlora" if s.load_in_4bit else "lora"]
+    c = a["input_casts" if s.input_casts and not s.load_in_4bit else "no_input_casts"]
     per_token = c["h_coef"] * shape.hidden + c["i_coef"] * shape.intermediate + c["kv_coef"] * shape.kv_dim
+    if s.liger:
+        per_token += a["liger"]["h_delta"] * shape.hidden + a["liger"]["i_delta"] * shape.intermediate
     if s.mask_repeats_kv:
         per_token += a["gqa_mask_coef"] * (shape.q_dim - shape.kv_dim)
     return per_token * s.dtype_bytes / 2
@@ -314,9 +328,7 @@ def candidate_settings(s: Settings) -> list[Settings]:
     """From fastest to smallest: no checkpointing, checkpointing, smaller micro-batches (same effective batch),
     then QLoRA for a 16-bit LoRA."""
     ladder = [replace(s, checkpointing=False), replace(s, checkpointing=True)]
-    bs = s.batch_size
-    while bs > 1:
-        bs //= 2
+    for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:  # as reprotune.speed
         ladder.append(replace(s, checkpointing=True, batch_size=bs,
                               grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
     if not s.load_in_4bit:
@@ -363,7 +375,7 @@ def tokens_per_second(p: Params, s: Settings, gpu: str, tables: dict[str, Any]) 
     peak = tp["gpus"][gpu]["tflops"] * 1e12
     method = "qlora" if s.load_in_4bit else "lora"
     rows = [m for m in tp["measured"] if m["method"] == method and m["checkpointing"] == s.checkpointing
-            and m["packing"] == s.packing]
+            and m["packing"] == s.packing and m.get("liger", False) == s.liger]
     if rows:
         best = min(rows, key=lambda m: (m["gpu"] != gpu, abs(math.log(m["params_b"] * 1e9 / p.total))))
         entry_params = best["params_b"] * 1e9
@@ -488,6 +500,11 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
     shape = model_shape(cfg.model)
     data = load_data_shape(cfg)
     budget = free_bytes if free_bytes is not None else tables["throughput"]["gpus"]["H200"]["memory_gib"] * GIB
+    wanted = cfg.hardware.get("memory_budget_gib", "auto")
+    if not _auto(wanted):
+        budget = min(budget, float(wanted) * GIB)
+    elif cfg.method.load_in_4bit:
+        budget = min(budget, 20 * GIB)  # reprotune.speed.memory_budget: QLoRA's default plan fits a 24 GB card
     ckpt = decide_checkpointing(cfg, budget)
     s = settings_from_cfg(cfg, checkpointing=ckpt)
     p = count_params(shape, list(s.targets), s.r, s.dora)
@@ -531,7 +548,7 @@ def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None) -
     from reprotune.config import compose
 
     cfg = compose([o for o in entry["overrides"] if not o.startswith(("paths.", "data.path="))])
-    s = settings_from_cfg(cfg)
+    s = replace(settings_from_cfg(cfg), **entry.get("code_flags", {}))
     shape = model_shape(cfg.model)
     p = count_params(shape, list(s.targets), s.r, s.dora)
     data = DataShape(**entry["data_shape"])
@@ -606,26 +623,40 @@ def write_plan(plan: dict[str, Any], cfg: DictConfig) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- preflight
-def preflight(cfg: DictConfig, device: str) -> bool:
-    """Before `make train` loads the model: plan, write outputs/plan.json, stop if the run cannot fit the GPU's
-    free memory, and return whether to use activation checkpointing (auto decided by the plan)."""
+def preflight(cfg: DictConfig, device: str, budget_bytes: float | None = None) -> tuple[int, int, bool, str] | None:
+    """Before `make train` loads the model, on a GPU: plan, write outputs/plan.json, and return (rows per
+    micro-batch, gradient accumulation, checkpointing, why) fitted to budget_bytes (reprotune.speed's memory
+    budget; the GPU's free memory when None) in reprotune.speed's order: checkpointing off, then on, then fewer
+    rows. Stops with one line (exit 2) when even that cannot fit the free memory. None on a CPU."""
     if device != "cuda":
-        setting = cfg.hardware.gradient_checkpointing
-        return False if setting == "auto" else bool(setting)
+        return None
     import torch
 
-    free, _total = torch.cuda.mem_get_info()
+    free = float(torch.cuda.mem_get_info()[0])
+    budget = free if budget_bytes is None else min(float(budget_bytes), free)
     try:
-        plan = make_plan(cfg, device=device, free_bytes=float(free))
+        consts, shape, data = load_table("memory.yaml"), model_shape(cfg.model), load_data_shape(cfg)
     except PlanError as err:  # an unknown architecture must not block training: say so and go on
         log.warning("plan: %s (no preflight)", err)
-        setting = cfg.hardware.gradient_checkpointing
-        return True if setting == "auto" else bool(setting)
+        return None
+    s = settings_from_cfg(cfg)
+    forced = not _auto(cfg.hardware.gradient_checkpointing)
+    ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
+    chosen, mem = ladder[-1], None
+    for cand in ladder:
+        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
+        if needed_bytes(mem, consts) <= budget:
+            chosen = cand
+            break
+    plan = make_plan(cfg, device=device, free_bytes=free)
+    plan["memory"] = mem
+    plan["settings"].update(asdict(chosen))
     write_plan(plan, cfg)
-    check_fits(cfg, plan, float(free), torch.cuda.get_device_name())
-    log.info("preflight: predicted peak %.2f GiB of %.1f GiB free; activation checkpointing %s",
-             plan["memory"]["peak_gib"], free / GIB, "on" if plan["memory"]["checkpointing"] else "off")
-    return bool(plan["memory"]["checkpointing"])
+    check_fits(cfg, plan, free, torch.cuda.get_device_name())
+    why = (f"plan: checkpointing {'on' if chosen.checkpointing else 'off'}, {chosen.batch_size} rows: predicted "
+           f"{mem['peak_gib']} GiB peak of a {budget / GIB:.1f} GiB budget")
+    log.info("preflight: %s (%.1f GiB free)", why, free / GIB)
+    return chosen.batch_size, chosen.grad_accum, chosen.checkpointing, why
 
 
 def check_fits(cfg: DictConfig, plan: dict[str, Any], free_bytes: float, gpu_name: str) -> None:
