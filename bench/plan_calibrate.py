@@ -125,7 +125,9 @@ def run_one(entry: dict[str, Any], extra: list[str], root: Path, prepared: dict[
     timing = manifest["timing"]
     record["measured"] = {"peak_allocated_gib": timing.get("peak_gpu_memory_gib"),
                           "peak_reserved_gib": timing.get("peak_gpu_reserved_gib"),
-                          "tokens_per_second": timing.get("tokens_per_second"),
+                          # steady: optimizer steps after the first two (no warm-up, compilation, allocation)
+                          "tokens_per_second": timing.get("steady_tokens_per_second") or timing.get("tokens_per_second"),
+                          "tokens_per_second_overall": timing.get("tokens_per_second"),
                           "train_seconds": timing.get("train_seconds")}
     gpus = manifest.get("hardware", {}).get("gpus") or [{}]
     record["provenance"] = {"gpu": gpus[0].get("name"), "commit": manifest.get("git", {}).get("commit"),
