@@ -381,8 +381,8 @@ def tokens_per_second(p: Params, s: Settings, gpu: str, tables: dict[str, Any]) 
         entry_params = best["params_b"] * 1e9
         util = best["tokens_per_second"] * (4 + (2 if s.checkpointing else 0)) * entry_params / (
             tp["gpus"][best["gpu"]]["tflops"] * 1e12)
-        how = (f"measured {best['tokens_per_second']:,} tok/s ({best['model']}, {best['gpu']}), "
-               f"utilisation {util:.1%} applied")
+        how = (f"measured {best['tokens_per_second']:,} tok/s ({best['model']}, {best['gpu']})"
+               + ("" if best["gpu"] == gpu else f"; its utilisation {util:.1%} applied to {gpu}'s bf16 peak (unmeasured)"))
     else:
         util = tp["fallback_mfu"]
         how = f"FLOPs / stated utilisation {util:.0%} (no measured row for {method}, "\
@@ -412,7 +412,7 @@ def time_and_cost(shape: Shape, s: Settings, data: DataShape | None, cfg: DictCo
     run = steps_and_tokens(s, data, cfg)
     rows = []
     for gpu in prices["gpus"]:
-        fit = fitting_setting(shape, s, data, tp["gpus"][gpu]["memory_gib"], consts)
+        fit = fitting_setting(shape, s, data, card_budget_gib(cfg, tp["gpus"][gpu]["memory_gib"]), consts)
         row: dict[str, Any] = {"gpu": gpu, "fits": fit is not None}
         if fit and run:
             cand = fit[0]
@@ -481,6 +481,15 @@ def load_tables() -> dict[str, Any]:
             "prices": load_table("prices.yaml")}
 
 
+def card_budget_gib(cfg: DictConfig, card_gib: float) -> float:
+    """What `make train` lets itself use on a card (reprotune.speed.memory_budget): hardware.memory_budget_gib,
+    or auto: 20 GiB for QLoRA (its default fits a 24 GB card), else the card."""
+    wanted = cfg.hardware.get("memory_budget_gib", "auto")
+    if not _auto(wanted):
+        return min(card_gib, float(wanted))
+    return min(card_gib, 20.0) if cfg.method.load_in_4bit else card_gib
+
+
 def decide_checkpointing(cfg: DictConfig, free_bytes: float) -> bool:
     """hardware.gradient_checkpointing: true/false as set; auto: on only if the run without it would not fit."""
     setting = cfg.hardware.gradient_checkpointing
@@ -499,12 +508,8 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
     consts = tables["memory"]
     shape = model_shape(cfg.model)
     data = load_data_shape(cfg)
-    budget = free_bytes if free_bytes is not None else tables["throughput"]["gpus"]["H200"]["memory_gib"] * GIB
-    wanted = cfg.hardware.get("memory_budget_gib", "auto")
-    if not _auto(wanted):
-        budget = min(budget, float(wanted) * GIB)
-    elif cfg.method.load_in_4bit:
-        budget = min(budget, 20 * GIB)  # reprotune.speed.memory_budget: QLoRA's default plan fits a 24 GB card
+    card = free_bytes / GIB if free_bytes is not None else tables["throughput"]["gpus"]["H200"]["memory_gib"]
+    budget = card_budget_gib(cfg, card) * GIB
     ckpt = decide_checkpointing(cfg, budget)
     s = settings_from_cfg(cfg, checkpointing=ckpt)
     p = count_params(shape, list(s.targets), s.r, s.dora)
@@ -512,7 +517,8 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
     mem_other = memory(shape, p, replace(s, checkpointing=not ckpt), data, consts)
     fit = {}
     for size, gpu in tables["throughput"]["cards"].items():
-        found = fitting_setting(shape, s, data, tables["throughput"]["gpus"][gpu]["memory_gib"], consts)
+        found = fitting_setting(shape, s, data, card_budget_gib(cfg, tables["throughput"]["gpus"][gpu]["memory_gib"]),
+                                consts)
         fit[f"{size} GB"] = ({"gpu": gpu, "setting": describe(found[0]), "overrides": overrides_for(found[0], s),
                               "peak_gib": found[1]["peak_gib"], "card_gib": found[1]["card_gib"]}
                              if found else {"gpu": gpu, "setting": None})
@@ -607,8 +613,11 @@ def format_plan(plan: dict[str, Any]) -> str:
                 lines.append(f"    {row['gpu']:9s} does not fit")
                 continue
             costs = ", ".join(f"{k} ${v:.2f}" for k, v in row["cost_usd"].items() if v is not None)
-            lines.append(f"    {row['gpu']:9s} {row['tokens_per_second']:>6,} tok/s  epoch {row['epoch_hours'] * 60:7.1f} min"
+            scaled = "*" if "unmeasured" in row["throughput_source"] or "stated" in row["throughput_source"] else " "
+            lines.append(f"    {row['gpu']:9s} {row['tokens_per_second']:>6,} tok/s{scaled} epoch {row['epoch_hours'] * 60:7.1f} min"
                          f"  run {row['run_hours'] * 60:7.1f} min  {costs}")
+        lines.append("    (* not measured on that GPU: scaled by bf16 peak FLOPs; run 50 steps and read the manifest's "
+                     "tokens/s before a long run)")
     for w in plan["warnings"]:
         lines.append(f"  warning: {w}")
     return "\n".join(lines)
