@@ -182,6 +182,22 @@ def test_auto_checkpointing_is_on_only_when_needed(tmp_path: Path) -> None:
     assert plan.preflight(compose(["model=tiny_random", "hardware=cpu"]), "cpu") is None
 
 
+def test_preflight_fits_in_speeds_order(tmp_path: Path) -> None:
+    """What preflight hands reprotune.speed: checkpointing off if it fits the budget, else on, else fewer rows
+    (same global batch); QLoRA's 20 GiB default budget turns checkpointing on for 4 x 1,100 tokens (measured
+    on the H200: 23.6 GiB without it)."""
+    prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
+    cfg = compose(["model=qwen3_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
+                   "train.gradient_accumulation_steps=4"])
+    consts, shape, data = plan.load_table("memory.yaml"), plan.model_shape(cfg.model), plan.load_data_shape(cfg)
+    roomy, _ = plan.fit_to_budget(cfg, shape, data, 100 * GIB, consts)
+    assert (roomy.checkpointing, roomy.batch_size) == (False, 4)
+    default, mem = plan.fit_to_budget(cfg, shape, data, 20 * GIB, consts)
+    assert (default.checkpointing, default.batch_size) == (True, 4) and mem["peak_gib"] < 20
+    tight, _ = plan.fit_to_budget(cfg, shape, data, 6.5 * GIB, consts)
+    assert tight.checkpointing and tight.batch_size < 4 and tight.batch_size * tight.grad_accum == 16
+
+
 def test_preflight_stops_with_one_line_and_the_settings_that_fit(tmp_path: Path, capsys) -> None:
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
     cfg = compose(["model=qwen3_8b_random", "hardware=gpu", "hardware.gradient_checkpointing=false",

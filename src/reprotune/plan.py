@@ -648,15 +648,7 @@ def preflight(cfg: DictConfig, device: str, budget_bytes: float | None = None) -
     except PlanError as err:  # an unknown architecture must not block training: say so and go on
         log.warning("plan: %s (no preflight)", err)
         return None
-    s = settings_from_cfg(cfg)
-    forced = not _auto(cfg.hardware.gradient_checkpointing)
-    ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
-    chosen, mem = ladder[-1], None
-    for cand in ladder:
-        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
-        if needed_bytes(mem, consts) <= budget:
-            chosen = cand
-            break
+    chosen, mem = fit_to_budget(cfg, shape, data, budget, consts)
     plan = make_plan(cfg, device=device, free_bytes=free)
     plan["memory"] = mem
     plan["settings"].update(asdict(chosen))
@@ -666,6 +658,20 @@ def preflight(cfg: DictConfig, device: str, budget_bytes: float | None = None) -
            f"{mem['peak_gib']} GiB peak of a {budget / GIB:.1f} GiB budget")
     log.info("preflight: %s (%.1f GiB free)", why, free / GIB)
     return chosen.batch_size, chosen.grad_accum, chosen.checkpointing, why
+
+
+def fit_to_budget(cfg: DictConfig, shape: Shape, data: DataShape | None, budget_bytes: float,
+                  consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
+    """The first setting in reprotune.speed's order (checkpointing off, on, fewer rows; the method is never
+    changed) whose card need fits the budget, else the smallest; as configured when checkpointing is forced."""
+    s = settings_from_cfg(cfg)
+    forced = not _auto(cfg.hardware.gradient_checkpointing)
+    ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
+    for cand in ladder:
+        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
+        if needed_bytes(mem, consts) <= budget_bytes:
+            return cand, mem
+    return ladder[-1], mem
 
 
 def check_fits(cfg: DictConfig, plan: dict[str, Any], free_bytes: float, gpu_name: str) -> None:
