@@ -21,6 +21,10 @@ export PYTHONHASHSEED := 0
 export PYTHONPATH := $(CURDIR)/src
 
 DATA := data/raw/invoices.jsonl
+# Several processes for make train (torchrun): NPROC on this host (default: every GPU with hardware=gpu), and for
+# several hosts NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (docs/gpu.md)
+NPROC ?=
+export NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 .PHONY: help
 help: ## List the targets
@@ -52,8 +56,8 @@ pii-review: venv ## Print a sample of PII replacements in context, terminal only
 	$(PY) -m reprotune.pii_review $(ARGS)
 
 .PHONY: train
-train: prepare ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
-	$(PY) -m reprotune.train $(ARGS)
+train: prepare ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
+	$(PY) -m reprotune.distributed $(ARGS)
 
 .PHONY: test
 test: venv data llama-cpp ## Run the test suite (the same command CI runs)
