@@ -48,7 +48,9 @@ LLAMA_CPP = ["lockfiles/llama-cpp.txt", "lockfiles/llama-cpp-build.txt", "script
 STAGES: dict[str, Stage] = {
     "prepare": Stage("prepare", "Validate, convert, scrub PII, split: data.path -> data/prepared",
                      ["${data.path}", *LOCKS],
-                     ["data/prepared/train.jsonl", "data/prepared/holdout.jsonl", "data/prepared/manifest.json"],
+                     ["data/prepared/train.jsonl", "data/prepared/holdout.jsonl",
+                      "data/prepared/rejected.jsonl",  # data.on_invalid=skip: file, line, reason per skipped record
+                      "data/prepared/manifest.json"],
                      ["data/prepared/report.json", "data/prepared/pii_report.json"],
                      ["data/prepared/lengths.png"]),
     "train": Stage("train", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",

@@ -25,6 +25,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from reprotune import speed
 from reprotune.config import CONF_DIR
 
 log = logging.getLogger("reprotune.train")
@@ -46,11 +47,6 @@ def resolve_dtype(cfg: DictConfig, device: str) -> str:
     if cfg.hardware.dtype != "auto":
         return cfg.hardware.dtype
     return "bfloat16" if device == "cuda" else "float32"
-
-
-def resolve_gradient_checkpointing(cfg: DictConfig, device: str) -> bool:
-    setting = cfg.hardware.gradient_checkpointing
-    return device == "cuda" if setting == "auto" else bool(setting)
 
 
 def set_reproducibility(cfg: DictConfig, device: str) -> None:
@@ -81,9 +77,15 @@ def read_messages(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                rows.append({"messages": json.loads(line)["messages"]})
+                example = json.loads(line)
+                rows.append({"messages": example["messages"],
+                             **({"tools": json.dumps(example["tools"])} if example.get("tools") else {})})
     if not rows:
         raise SystemExit(f"train: {path} holds no examples")
+    if any("tools" in row for row in rows):
+        # TRL passes a "tools" column (JSON text: Arrow would widen objects) to the chat template's tools=;
+        # Dataset.from_list takes its columns from the first row, so every row gets one
+        rows = [{**row, "tools": row.get("tools")} for row in rows]
     return rows
 
 
@@ -110,14 +112,16 @@ def load_tokenizer(model_dir: str, cfg: DictConfig):
     return tokenizer
 
 
-def load_base_model(model_dir: str, cfg: DictConfig, device: str, dtype: str):
+def load_base_model(model_dir: str, cfg: DictConfig, device: str, dtype: str, attn_implementation: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
                               "trust_remote_code": cfg.model.trust_remote_code}
-    if cfg.repro == "strict":
-        kwargs["attn_implementation"] = "eager"  # no nondeterministic fused attention backward
+    if attn_implementation is None and cfg.repro == "strict":
+        attn_implementation = "eager"  # no nondeterministic fused attention backward
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     if cfg.method.load_in_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -149,7 +153,7 @@ def lora_config(cfg: DictConfig):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool):
+def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath):
     from trl import SFTConfig
 
     t = cfg.train
@@ -158,9 +162,9 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool):
         output_dir=cfg.paths.checkpoints,
         max_steps=int(t.max_steps),
         num_train_epochs=float(t.num_train_epochs),
-        per_device_train_batch_size=int(t.per_device_train_batch_size),
-        per_device_eval_batch_size=int(t.per_device_train_batch_size),
-        gradient_accumulation_steps=int(t.gradient_accumulation_steps),
+        per_device_train_batch_size=fast.per_device_train_batch_size,
+        per_device_eval_batch_size=fast.per_device_train_batch_size,
+        gradient_accumulation_steps=fast.gradient_accumulation_steps,
         learning_rate=float(t.learning_rate),
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
@@ -168,7 +172,9 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool):
         max_grad_norm=float(t.max_grad_norm),
         optim=t.optim,
         max_length=int(t.max_length),
-        packing=bool(t.packing),
+        packing=fast.packing,
+        packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
+        use_liger_kernel=fast.liger,
         assistant_only_loss=bool(t.assistant_only_loss),
         chat_template_path=cfg.model.training_chat_template,
         logging_steps=int(t.logging_steps),
@@ -183,12 +189,13 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool):
         use_cpu=device == "cpu",
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
-        activation_checkpointing=resolve_gradient_checkpointing(cfg, device),
+        activation_checkpointing=fast.activation_checkpointing,
         report_to=[] if t.report_to in (None, "none") else [t.report_to],
         push_to_hub=False,
         dataloader_num_workers=0,
         dataset_num_proc=None,
-        include_num_input_tokens_seen="non_padding",
+        # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)
+        include_num_input_tokens_seen="all" if fast.packing else "non_padding",
         disable_tqdm=False,
     )
 
@@ -301,6 +308,27 @@ def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
     return None
 
 
+def choose_fast_path(cfg: DictConfig, device: str, model_dir: str) -> speed.FastPath:
+    """Speed settings (reprotune.speed); on a GPU, micro-batch and checkpointing fitted to the memory budget."""
+    fitted = None
+    if device == "cuda":
+        import torch
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(model_dir, revision=cfg.model.revision,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
+        free, _ = torch.cuda.mem_get_info()
+        liger = speed.choose(cfg, device).liger
+        fitted = speed.fit_micro_batch(cfg, model_config, speed.memory_budget(cfg, free), liger)
+    return speed.choose(cfg, device, fitted)
+
+
+def mean_example_tokens(dataset, n_examples: int) -> float:
+    """Mean tokens per training example (packed rows hold several)."""
+    total = sum(len(ids) for ids in dataset["input_ids"])
+    return total / max(n_examples, 1)
+
+
 # ----------------------------------------------------------------------------------------------- report
 def loss_curves(log_history: list[dict]) -> dict[str, list]:
     train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
@@ -406,6 +434,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from reprotune.models import resolve_model_dir
 
     started = time.time()
+    # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
+    # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     set_reproducibility(cfg, device)
@@ -420,16 +451,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg)
     original_template = tokenizer.chat_template
-    model = load_base_model(model_dir, cfg, device, dtype)
+    fast = choose_fast_path(cfg, device, model_dir)
+    log.info("speed: %s", "; ".join(fast.reasons))
+    model = load_base_model(model_dir, cfg, device, dtype, fast.attn_implementation)
 
     fingerprint = config_fingerprint(cfg)
     resume_from = checkpoint_to_resume(cfg, fingerprint)
     Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
     mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
 
+    profile = [int(x) for x in cfg.hardware.profile_steps] if cfg.hardware.get("profile_steps") else None
+    timer = speed.step_timer_callback(stop_before=profile[0] if profile else None)
+    callbacks = [timer]
+    if profile:
+        first, last = profile
+        callbacks.append(speed.profiler_callback((first, last), str(Path(cfg.paths.train_dir) / "profile.txt")))
     trainer = sealing_trainer_class()(
         model=model,
-        args=sft_config(cfg, device, dtype, bool(val_rows)),
+        args=sft_config(cfg, device, dtype, bool(val_rows), fast),
+        callbacks=callbacks,
         train_dataset=Dataset.from_list(rows),
         eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
         processing_class=tokenizer,
@@ -450,11 +490,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         tokens_before = int(json.loads((Path(resume_from) / "trainer_state.json").read_text())
                             .get("num_input_tokens_seen", 0))
     train_started = time.time()
-    trainer.train(resume_from_checkpoint=resume_from)
+    # Under bf16 autocast PEFT's cast of every adapter input to the fp32 adapter dtype is undone by autocast at
+    # once (bf16 -> fp32 -> bf16 is exact): skipping it computes the same numbers without two copies of each
+    # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
+    from peft.helpers import disable_input_dtype_casting
+
+    with disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"):
+        trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
 
     curves = loss_curves(trainer.state.log_history)
     tokens_seen = int(trainer.state.num_input_tokens_seen)
+    steady = timer.steady_tokens_per_second()
+    step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, len(rows)),
+                                                 fast.activation_checkpointing)
     metrics = {
         "global_step": int(trainer.state.global_step),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
@@ -496,8 +545,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "timing": {"wall_seconds": round(time.time() - started, 2), "train_seconds": round(train_seconds, 2),
                    "tokens_per_second": round((tokens_seen - tokens_before) / train_seconds, 1)
                    if train_seconds else None,
+                   "steady_tokens_per_second": round(steady, 1) if steady else None,
+                   "mfu": round(speed.mfu(steady, step_flops), 4) if steady and device == "cuda" else None,
+                   "flops_per_token": round(step_flops),
+                   "step_seconds": timer.step_seconds(),
                    "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                   if device == "cuda" else None,
+                   "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
                    if device == "cuda" else None},
+        "fast_path": fast.as_record(),
     })
     mf.write_json(out_dir / "manifest.json", record)
     if not cfg.train.get("keep_checkpoints", False):
