@@ -24,6 +24,10 @@ export PYTHONHASHSEED := 0
 export PYTHONPATH := $(CURDIR)/src
 
 DATA := data/raw/invoices.jsonl
+# Several processes for make train (torchrun): NPROC on this host (default: every GPU with hardware=gpu), and for
+# several hosts NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (docs/gpu.md)
+NPROC ?=
+export NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 .PHONY: help
 help: ## List the targets
@@ -62,7 +66,7 @@ pii-review: venv ## Print a sample of PII replacements in context, terminal only
 	$(PY) -m reprotune.pii_review $(ARGS)
 
 .PHONY: train
-train: data ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
+train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
 	$(call stage,train)
 
 .PHONY: test

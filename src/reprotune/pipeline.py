@@ -53,7 +53,8 @@ STAGES: dict[str, Stage] = {
                       "data/prepared/manifest.json"],
                      ["data/prepared/report.json", "data/prepared/pii_report.json"],
                      ["data/prepared/lengths.png"]),
-    "train": Stage("train", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",
+    # the launcher (torchrun for NPROC>1) runs reprotune.train in each process: NPROC etc. come from the environment
+    "train": Stage("distributed", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",
                    ["data/prepared/train.jsonl", "conf/chat_templates", *LOCKS],
                    ["outputs/adapter", "outputs/train/manifest.json"],
                    ["outputs/train/metrics.json"], ["outputs/train/loss.png"]),
@@ -77,10 +78,17 @@ def module_file(module: str) -> Path:
     return path / "__init__.py" if path.is_dir() or not rel else path.with_suffix(".py")
 
 
+def launched(node: ast.AST) -> set[str]:
+    """Project modules run as `python -m reprotune.x` from here (a string that names a module exactly)."""
+    return {sub.value for sub in ast.walk(node) if isinstance(sub, ast.Constant) and isinstance(sub.value, str)
+            and sub.value.startswith(PACKAGE + ".") and sub.value.replace(".", "").replace("_", "").isalnum()
+            and module_file(sub.value).is_file()}
+
+
 def direct_imports(module: str) -> set[str]:
-    """Project modules a module imports anywhere in its body (top level and inside functions)."""
+    """Project modules a module imports anywhere in its body (top level and inside functions), or launches."""
     tree = ast.parse(module_file(module).read_text())
-    found: set[str] = set()
+    found: set[str] = launched(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
@@ -194,6 +202,7 @@ def reachable_reads(module: str, entry: str = "main") -> set[str]:
         if func is None:
             continue  # a class or constant: no config reads of its own
         reads |= cfg_reads(func, index.parents)
+        todo += [(launched_module, "main") for launched_module in launched(func)]
         for sub in ast.walk(func):
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
                 if sub.id in index.functions:

@@ -25,7 +25,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune import speed
+from reprotune import distributed, speed
 from reprotune.config import CONF_DIR
 
 log = logging.getLogger("reprotune.train")
@@ -130,7 +130,7 @@ def load_base_model(model_dir: str, cfg: DictConfig, device: str, dtype: str, at
             bnb_4bit_compute_dtype=getattr(torch, dtype),
             bnb_4bit_quant_storage=getattr(torch, dtype),
         )
-        kwargs["device_map"] = {"": 0} if device == "cuda" else {"": "cpu"}
+        kwargs["device_map"] = {"": distributed.world().local_rank} if device == "cuda" else {"": "cpu"}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     # Never run an eval-mode forward (generate) here on a 4-bit model: on CPU it repacks the weights and the
     # following training silently gets wrong gradients.
@@ -153,10 +153,12 @@ def lora_config(cfg: DictConfig):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath):
+def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath, world_size: int = 1):
     from trl import SFTConfig
 
     t = cfg.train
+    accum, _ = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
+                                        world_size)
     eval_steps = int(t.eval_steps) if t.eval_steps and has_val else None
     return SFTConfig(
         output_dir=cfg.paths.checkpoints,
@@ -164,7 +166,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         num_train_epochs=float(t.num_train_epochs),
         per_device_train_batch_size=fast.per_device_train_batch_size,
         per_device_eval_batch_size=fast.per_device_train_batch_size,
-        gradient_accumulation_steps=fast.gradient_accumulation_steps,
+        gradient_accumulation_steps=accum,
         learning_rate=float(t.learning_rate),
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
@@ -197,6 +199,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)
         include_num_input_tokens_seen="all" if fast.packing else "non_padding",
         disable_tqdm=False,
+        **distributed.trainer_arguments(cfg, world_size),
     )
 
 
@@ -278,6 +281,7 @@ def sealing_trainer_class():
 
         def _save_checkpoint(self, model, trial) -> None:
             super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every rank has written its RNG state before rank 0 seals
             if not self.args.should_save:
                 return
             ckpt_root = Path(self.args.output_dir)
@@ -289,19 +293,22 @@ def sealing_trainer_class():
     return SealedCheckpointTrainer
 
 
-def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
-    """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed)."""
+def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True) -> str | None:
+    """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed, by the
+    process that may modify the folder: rank 0 when several train together)."""
     ckpt_root = Path(cfg.paths.checkpoints)
     stamp = ckpt_root / "reprotune-run.json"
     if cfg.train.resume == "never" or not ckpt_root.is_dir():
-        shutil.rmtree(ckpt_root, ignore_errors=True)
+        if modify:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
         return None
     recorded = json.loads(stamp.read_text()).get("fingerprint") if stamp.is_file() else None
     if recorded != fingerprint:
         log.info("discarding checkpoints of a different configuration in %s", ckpt_root)
-        shutil.rmtree(ckpt_root, ignore_errors=True)
+        if modify:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
         return None
-    good = good_checkpoints(ckpt_root)
+    good = good_checkpoints(ckpt_root, remove_torn=modify)
     if good:
         log.info("resuming from %s", good[-1])
         return str(good[-1])
@@ -402,14 +409,15 @@ def canonicalise_adapter_config(adapter_dir: Path, base: tuple[str, str | None])
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None) -> Path:
+def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None,
+                 state_dict: dict | None = None) -> Path:
     """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
     final = Path(cfg.paths.adapter)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     from reprotune.models import base_identity
 
-    trainer.model.save_pretrained(tmp)
+    trainer.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
     canonicalise_adapter_config(tmp, base_identity(cfg.model))
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
@@ -440,7 +448,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     set_reproducibility(cfg, device)
-    log.info("device=%s dtype=%s method=%s model=%s", device, dtype, cfg.method.name, cfg.model.name)
+    world = distributed.world()
+    distributed.init_process_group(device)
+    log.info("device=%s dtype=%s method=%s model=%s processes=%d", device, dtype, cfg.method.name, cfg.model.name,
+             world.size)
 
     train_file = Path(cfg.paths.prepared) / "train.jsonl"
     rows = read_messages(train_file)
@@ -448,7 +459,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.train.eval_steps:
         rows, val_rows = split_validation(rows, float(cfg.train.val_fraction))
 
-    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    with distributed.main_process_first():
+        model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg)
     original_template = tokenizer.chat_template
     fast = choose_fast_path(cfg, device, model_dir)
@@ -456,9 +468,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = load_base_model(model_dir, cfg, device, dtype, fast.attn_implementation)
 
     fingerprint = config_fingerprint(cfg)
-    resume_from = checkpoint_to_resume(cfg, fingerprint)
-    Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
-    mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
+    with distributed.main_process_first():
+        resume_from = checkpoint_to_resume(cfg, fingerprint, modify=world.is_main)
+        if world.is_main:
+            Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
+            mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
+    _, batch_line = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
+                                             world.size)
+    log.info("%s; strategy %s", batch_line, distributed.strategy(cfg, world.size))
 
     profile = [int(x) for x in cfg.hardware.profile_steps] if cfg.hardware.get("profile_steps") else None
     timer = speed.step_timer_callback(stop_before=profile[0] if profile else None)
@@ -468,7 +485,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(speed.profiler_callback((first, last), str(Path(cfg.paths.train_dir) / "profile.txt")))
     trainer = sealing_trainer_class()(
         model=model,
-        args=sft_config(cfg, device, dtype, bool(val_rows), fast),
+        args=sft_config(cfg, device, dtype, bool(val_rows), fast, world.size),
         callbacks=callbacks,
         train_dataset=Dataset.from_list(rows),
         eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
@@ -498,6 +515,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"):
         trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
+    # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
+    state_dict = (trainer.accelerator.get_state_dict(trainer.model)
+                  if distributed.strategy(cfg, world.size) == "fsdp2" else None)
+    if not world.is_main:
+        distributed.barrier()
+        return {}
 
     curves = loss_curves(trainer.state.log_history)
     tokens_seen = int(trainer.state.num_input_tokens_seen)
@@ -519,7 +542,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     }
     out_dir = Path(cfg.paths.train_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template)
+    adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template, state_dict)
     mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: no timings in here
     plot_loss(curves, out_dir / "loss.png")
 
@@ -554,6 +577,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
                    if device == "cuda" else None},
         "fast_path": fast.as_record(),
+        "distributed": {"world_size": world.size, "nnodes": int(os.environ.get("NNODES", 1)),
+                        "strategy": distributed.strategy(cfg, world.size), "global_batch": batch_line},
     })
     mf.write_json(out_dir / "manifest.json", record)
     if not cfg.train.get("keep_checkpoints", False):
@@ -561,6 +586,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("adapter %s (sha256 %s), final loss %.4f, %.1f tokens/s", adapter_dir,
              record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"],
              record["timing"]["tokens_per_second"] or 0)
+    distributed.barrier()  # the other ranks wait for the outputs
     return record
 
 
