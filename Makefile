@@ -1,5 +1,8 @@
 # reprotune: every stage is a make target; every target takes Hydra overrides in ARGS:
 #   make train ARGS="method=qlora train.max_steps=20"
+# Stage targets (prepare, train, eval, merge, gguf) run through DVC only: params.yaml is composed from
+# conf/ + ARGS, then 'dvc repro <stage>' runs what is out of date up to that stage and skips the rest, so
+# dvc.lock always describes outputs/ and 'make push' versions exactly what was produced.
 # Each target bootstraps .venv from the hash-locked lockfile first (idempotent; reused when current).
 
 SHELL := /bin/bash
@@ -43,9 +46,20 @@ lock: ## Regenerate lockfiles/ from pyproject.toml (needs uv)
 data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate; then verify the DVC hash
 	@VENV=$(VENV) bash scripts/get_data.sh
 
+# ---------------------------------------------------------------------------------------------- the stages
+DVC = $(VENV)/bin/dvc
+# dvc.yaml's stage commands run 'python': the venv's
+DVC_ENV = PATH=$(abspath $(VENV))/bin:$$PATH
+
+# $(call stage,<name>): compose params.yaml, then bring <name> and everything it needs up to date
+define stage
+	$(PY) -m reprotune.config $(ARGS)
+	$(DVC_ENV) $(DVC) repro $(1)
+endef
+
 .PHONY: prepare
 prepare: data ## Validate, convert, scrub PII, split -> data/prepared/{train,holdout}.jsonl + reports (ARGS="data.path=<file|dir>")
-	$(PY) -m reprotune.prepare $(ARGS)
+	$(call stage,prepare)
 
 .PHONY: plan
 plan: venv ## Memory, time and cost of 'make train ARGS=...' before renting a GPU -> outputs/plan.json (no weights loaded)
@@ -56,8 +70,8 @@ pii-review: venv ## Print a sample of PII replacements in context, terminal only
 	$(PY) -m reprotune.pii_review $(ARGS)
 
 .PHONY: train
-train: prepare ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
-	$(PY) -m reprotune.distributed $(ARGS)
+train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
+	$(call stage,train)
 
 .PHONY: test
 test: venv data llama-cpp ## Run the test suite (the same command CI runs)
@@ -77,14 +91,15 @@ clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and ra
 	rm -rf outputs data/prepared
 
 .PHONY: eval
-eval: venv ## Base vs fine-tuned (vs eval.baseline.url) on the holdout -> outputs/eval/{report.md,metrics.json,comparison.png,predictions.jsonl}
-	$(PY) -m reprotune.evaluate $(ARGS)
+eval: data ## Base vs fine-tuned (vs eval.baseline.url) on the holdout -> outputs/eval/{report.md,metrics.json,comparison.png,predictions.jsonl}
+	$(call stage,eval)
 
 # ---------------------------------------------------------------------------------------- reproducibility
-DVC := $(VENV)/bin/dvc
-# dvc.yaml's stage commands run 'python': the venv's
-DVC_ENV := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 RUN ?=
+
+.PHONY: dvc-yaml
+dvc-yaml: venv ## Regenerate dvc.yaml from the code (deps = imported modules, params = config keys read)
+	$(PY) -m reprotune.pipeline
 
 .PHONY: params
 params: venv ## Compose conf/ (+ ARGS overrides) into params.yaml, the config DVC tracks
@@ -148,15 +163,15 @@ llama-cpp: venv ## Build (once, cached in .cache/llama-cpp) and install the hash
 	@bash scripts/build_llama_cpp.sh >/dev/null
 
 .PHONY: merge
-merge: venv ## Merge the adapter into the full-precision base -> outputs/merged/ (+ parity.json)
-	$(PY) -m reprotune.merge $(ARGS)
+merge: data ## Merge the adapter into the full-precision base -> outputs/merged/ (+ parity.json)
+	$(call stage,merge)
 
 .PHONY: gguf
-gguf: venv llama-cpp ## Convert outputs/merged to GGUF, quantize (export.quant), check parity, write the Modelfile
-	$(PY) -m reprotune.gguf $(ARGS)
+gguf: data llama-cpp ## Convert outputs/merged to GGUF, quantize (export.quant), check parity, write the Modelfile
+	$(call stage,gguf)
 
 .PHONY: serve
-serve: venv llama-cpp ## OpenAI-compatible server on the GGUF (llama.cpp), on 127.0.0.1:8080 by default
+serve: gguf ## OpenAI-compatible server on the GGUF (llama.cpp), on 127.0.0.1:8080 by default
 	$(PY) -m reprotune.serve $(ARGS)
 
 .PHONY: serve-info

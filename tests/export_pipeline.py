@@ -13,7 +13,7 @@ from .conftest import TINY_TRAIN, write_jsonl
 
 # a few steps at a high learning rate: the adapter must move the logits visibly, or merge parity is vacuous
 EXPORT_TRAIN = [*TINY_TRAIN, "train.learning_rate=0.01"]
-EXPORT_ARGS = ["export.quant=[Q4_K_M,Q8_0]", "export.parity.greedy_prompts=3", "export.parity.max_new_tokens=16",
+EXPORT_ARGS = ["export.quant=[Q4_K_M,Q8_0]", "export.parity.examples=3", "export.parity.max_new_tokens=16",
                "export.merge.prompts=3"]
 
 

@@ -290,7 +290,7 @@ def test_container_and_host_give_the_same_bytes(smoke_run: tuple[Path, subproces
 
 
 # the export tests' tiny settings (tests/export_pipeline.py): an adapter that moves the logits, one quant type
-EXPORT_ARGS = ("model=tiny_random train.learning_rate=0.01 export.quant=[Q8_0] export.parity.greedy_prompts=2 "
+EXPORT_ARGS = ("model=tiny_random train.learning_rate=0.01 export.quant=[Q8_0] export.parity.examples=2 "
                "export.parity.max_new_tokens=8 export.merge.prompts=2")
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from reprotune.config import compose
+
 
 @pytest.mark.slow
 def test_make_train_style_run_on_smollm2(workspace: tuple[Path, list[str]]) -> None:
@@ -26,14 +28,14 @@ def test_make_train_style_run_on_smollm2(workspace: tuple[Path, list[str]]) -> N
     assert manifest["inputs"]["base_model"]["files"]["model.safetensors"]
 
     # the adapter loads on the base with PEFT and answers a holdout invoice with JSON-looking text
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from reprotune.models import load_peft_model
 
     adapter = root / "outputs/adapter"
-    base_dir = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"].startswith("builtin:")
     tok = AutoTokenizer.from_pretrained(adapter)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter)
+    model = load_peft_model(adapter, compose([]).paths.model_cache)
     row = json.loads((root / "data/prepared/holdout.jsonl").read_text().splitlines()[0])
     enc = tok.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, return_tensors="pt",
                                   return_dict=True)

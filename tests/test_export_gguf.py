@@ -4,6 +4,7 @@ other tools only show after shipping (unknown pre-tokenizer, degraded vocab, tem
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def test_parity_report(exported: tuple[Path, list[str]]) -> None:
     root, _ = exported
     report = json.loads((root / "outputs/gguf/parity.json").read_text())
     assert report["holdout_prompts"] == 8 and report["greedy_prompts"] == 3
+    assert report["greedy_selection"].startswith("the first 3 holdout prompts in file order")
     for name in ("F16", "Q4_K_M", "Q8_0"):
         tok = report["tokenization"][name]
         assert tok["identical"] is True and tok["prompts"] == 8 and tok["tokens"] > 8 * 50
@@ -131,3 +133,17 @@ def test_missing_merged_model_fails_clearly(tmp_path: Path) -> None:
 
     with pytest.raises(SystemExit, match="outputs/merged/config.json not found; run 'make merge' first"):
         gguf(compose([f"paths.root={tmp_path}"]))
+
+
+@pytest.mark.slow
+def test_make_verify_reruns_the_gguf_manifest(exported: tuple[Path, list[str]]) -> None:
+    """The gguf manifest is a stage manifest 'make verify' can re-run: same GGUF bytes, same parity report."""
+    root, _ = exported
+    manifest = json.loads((root / "outputs/export/gguf_manifest.json").read_text())
+    assert manifest["manifest_path"] == "outputs/export/gguf_manifest.json"
+    assert manifest["inputs"]["merged"]["path"] == "outputs/merged"
+    proc = subprocess.run([sys.executable, "-m", "reprotune.verify", str(root / "outputs/export/gguf_manifest.json")],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for name in ("F16", "Q4_K_M", "Q8_0", "parity"):
+        assert re.search(rf"output {name}\s+identical", proc.stdout), proc.stdout[-2000:]

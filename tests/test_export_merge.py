@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,31 @@ def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[
         merge(compose([*overrides, f"paths.root={tmp_path}"]))
     assert str(err.value).startswith(f"export: {tmp_path}/data/prepared/holdout.jsonl:2: field 'messages'")
     assert (tmp_path / "outputs/merged/model.safetensors").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_make_verify_reruns_the_merge_manifest(merged: tuple[Path, list[str]]) -> None:
+    """The merge manifest is a stage manifest 'make verify' can re-run: same merged bytes."""
+    import subprocess
+    import sys
+
+    root, _ = merged
+    manifest = json.loads((root / "outputs/export/merge_manifest.json").read_text())
+    assert manifest["manifest_path"] == "outputs/export/merge_manifest.json"
+    assert manifest["inputs"]["adapter"]["path"] == "outputs/adapter"
+    assert Path(manifest["inputs"]["base_model"]["path"]).is_absolute()
+    proc = subprocess.run([sys.executable, "-m", "reprotune.verify", str(root / "outputs/export/merge_manifest.json")],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"output merged\s+identical", proc.stdout) and "RESULT: identical" in proc.stdout
+
+
+def test_merge_refuses_an_adapter_of_another_base(merged: tuple[Path, list[str]], tmp_path: Path) -> None:
+    import shutil
+
+    root, overrides = merged
+    shutil.copytree(root / "outputs/adapter", tmp_path / "outputs/adapter")
+    shutil.copytree(root / "data", tmp_path / "data")
+    with pytest.raises(SystemExit, match=r"base_model_name_or_path: the adapter was trained on random_init:tiny_random@"
+                                         r"[0-9a-f]{16}, but model= is builtin:smollm2_135m@"):
+        merge(compose([*overrides, f"paths.root={tmp_path}", "model=smollm2_135m"]))

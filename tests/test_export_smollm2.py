@@ -19,7 +19,7 @@ def test_smollm2_export_answers_like_the_hf_model(workspace: tuple[Path, list[st
 
     root, overrides = workspace
     overrides = [*overrides, "train.max_steps=2", "train.save_steps=100", "train.logging_steps=1",
-                 "export.merge.prompts=2", "export.parity.greedy_prompts=4", "export.parity.max_new_tokens=64"]
+                 "export.merge.prompts=2", "export.parity.examples=4", "export.parity.max_new_tokens=64"]
     train(compose(overrides))
     merge_parity = merge(compose(overrides))["parity"]
     assert merge_parity["fp32_merge"]["max_abs_diff"] <= 1e-3

@@ -118,18 +118,21 @@ def test_other_methods_train(method: str, workspace: tuple[Path, list[str]]) -> 
     assert record["config"]["method"]["load_in_4bit"] is (method == "qlora")
 
 
-def test_adapter_config_does_not_depend_on_the_hash_seed_or_the_cache_path(workspace: tuple[Path, list[str]]) -> None:
-    """Two processes with different PYTHONHASHSEED must write the same adapter_config.json (PEFT keeps
-    target_modules in a set), also when one reaches the model cache by an absolute path (the image sets
-    REPROTUNE_CACHE=/workspace/.cache/reprotune): the base model path is recorded relative to the working dir."""
+def test_adapter_does_not_depend_on_the_hash_seed_or_the_cache_location(workspace: tuple[Path, list[str]],
+                                                                        tmp_path_factory) -> None:
+    """Two processes with different PYTHONHASHSEED and the model cache in two different places (REPROTUNE_CACHE
+    unset, and an absolute path elsewhere, as in a pod) write byte-identical adapters (PEFT keeps target_modules
+    in a set; it records the base by its load path): the base is named by its identity, never a path."""
     import os
     import subprocess
     import sys
 
+    from reprotune.manifest import sha256_tree
+
     root, overrides = workspace
-    configs = []
-    absolute_cache = {"REPROTUNE_CACHE": str(Path(".cache/reprotune").resolve())}
-    for seed, extra in (("1", {}), ("2", absolute_cache)):
+    trees = []
+    elsewhere = {"REPROTUNE_CACHE": str(tmp_path_factory.mktemp("other-cache"))}
+    for seed, extra in (("1", {}), ("2", elsewhere)):
         out = root / f"run{seed}"
         (out / "data").mkdir(parents=True)
         (out / "data/prepared").symlink_to(root / "data/prepared")
@@ -137,19 +140,30 @@ def test_adapter_config_does_not_depend_on_the_hash_seed_or_the_cache_path(works
         subprocess.run([sys.executable, "-m", "reprotune.train", *TINY_TRAIN, "train.max_steps=1",
                         f"paths.root={out}"], check=True, capture_output=True, timeout=600,
                        env=dict(env, PYTHONHASHSEED=seed, **extra))
-        configs.append((out / "outputs/adapter/adapter_config.json").read_bytes())
-    assert configs[0] == configs[1]
-    base = json.loads(configs[0])["base_model_name_or_path"]
-    assert base.startswith(".cache/reprotune/models/"), base  # relative, not /abs/.cache/...
+        trees.append(sha256_tree(out / "outputs/adapter"))
+    assert any(Path(elsewhere["REPROTUNE_CACHE"]).glob("models/random-*/config.json"))  # really materialised there
+    assert trees[0] == trees[1]
+    config = json.loads((root / "run1/outputs/adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"].startswith("random_init:tiny_random@"), config
+    assert "/" not in config["base_model_name_or_path"] and config["revision"] is None
 
 
-def test_portable_base_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from reprotune.train import portable_base_path
+def test_base_identity_maps_back_to_the_local_model() -> None:
+    """Every source has an identity without a host path, and reprotune's loader maps it back."""
+    from reprotune.models import ModelSourceError, base_identity, resolve_base_identity, resolve_model_dir
 
-    (tmp_path / "models/m").mkdir(parents=True)
-    monkeypatch.chdir(tmp_path)
-    assert portable_base_path(str(tmp_path / "models/m")) == "models/m"
-    assert portable_base_path("models/m") == "models/m"
-    assert portable_base_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    outside = tmp_path.parent / "elsewhere-not-under-cwd"
-    assert portable_base_path(str(outside)) == str(outside)  # not under cwd: only the absolute path can load it
+    tiny = compose(["model=tiny_random"])
+    identity, revision = base_identity(tiny.model)
+    assert revision is None
+    assert resolve_base_identity(identity, tiny.paths.model_cache) == resolve_model_dir(tiny.model,
+                                                                                          tiny.paths.model_cache)
+    builtin = compose([]).model
+    assert base_identity(builtin) == (f"builtin:smollm2_135m@{builtin.builtin.sha256}", None)
+    hub = compose(["model=qwen3_8b", "model.revision=abc123"]).model
+    assert base_identity(hub) == ("Qwen/Qwen3-8B", "abc123")
+    assert resolve_base_identity("Qwen/Qwen3-8B", "unused") == "Qwen/Qwen3-8B"
+    local = compose(["model=llama32_1b", "model.source=local", "model.path=/data/models/my-llama"]).model
+    assert base_identity(local) == ("local:my-llama", None)
+    # a preset whose spec changed since the adapter was trained is refused, not silently swapped
+    with pytest.raises(ModelSourceError, match="conf/model/tiny_random.yaml now describes random_init:tiny_random@"):
+        resolve_base_identity("random_init:tiny_random@0000000000000000", tiny.paths.model_cache)

@@ -202,20 +202,45 @@ def greedy_llama(llm, prompt_ids: list[list[int]], max_new: int, eog: set[int], 
     return outputs
 
 
+HF_BATCH = 8
+
+
 def greedy_hf(merged_dir: Path, prompt_ids: list[list[int]], max_new: int, eog: list[int]) -> list[list[int]]:
+    """Greedy answers of the merged model (float32), in left-padded batches of HF_BATCH prompts.
+
+    Each answer ends at its first end-of-generation token; what follows it in a batch row is padding."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.no_grad():
-        for ids in tqdm(prompt_ids, desc="greedy HF (merged, fp32)", unit="prompt", file=sys.stderr):
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new, do_sample=False, eos_token_id=eog, pad_token_id=eog[0])
-            new = [int(t) for t in gen[0, len(ids):]]
-            outputs.append(new[: next((i for i, t in enumerate(new) if t in eog), len(new))])
+    outputs: list[list[int]] = [[] for _ in prompt_ids]
+    order = sorted(range(len(prompt_ids)), key=lambda i: (-len(prompt_ids[i]), i))  # similar lengths together
+    batches = [order[i:i + HF_BATCH] for i in range(0, len(order), HF_BATCH)]
+    with torch.inference_mode():
+        for batch in tqdm(batches, desc="greedy HF (merged, fp32)", unit="batch", file=sys.stderr):
+            width = max(len(prompt_ids[i]) for i in batch)
+            ids = torch.full((len(batch), width), eog[0], dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
+                mask[row, width - len(prompt_ids[i]):] = 1
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=eog, pad_token_id=eog[0])
+            for row, i in enumerate(batch):
+                new = [int(t) for t in gen[row, width:]]
+                outputs[i] = new[: next((k for k, t in enumerate(new) if t in eog), len(new))]
     return outputs
+
+
+def greedy_subset(cfg: DictConfig, n_prompts: int) -> int:
+    """How many holdout prompts (the first ones, in file order) get the greedy comparison."""
+    examples = cfg.export.parity.examples
+    if examples == "all":
+        return n_prompts
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise ExportError(f"gguf: export.parity.examples must be a positive number or 'all', not {examples!r}")
+    return min(int(examples), n_prompts)
 
 
 def compare_greedy(reference: list[list[int]], candidate: list[list[int]]) -> dict[str, Any]:
@@ -289,8 +314,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         files[quant] = f"model-{quant}.gguf"
 
     # 3. parity: template + token ids (hard), greedy answers (reported)
-    greedy_n = cfg.export.parity.greedy_prompts
-    greedy_prompts = prompts if greedy_n is None else prompts[: int(greedy_n)]
+    greedy_prompts = prompts[: greedy_subset(cfg, len(prompts))]
     max_new = int(cfg.export.parity.max_new_tokens)
     t0 = time.time()
     prompt_ids: list[list[int]] = []
@@ -301,6 +325,8 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     report: dict[str, Any] = {
         "llama_cpp_python": llamacpp.version(), "holdout_prompts": len(prompts),
         "greedy_prompts": len(greedy_prompts), "max_new_tokens": max_new, "eog_ids": eog,
+        "greedy_selection": f"the first {len(greedy_prompts)} holdout prompts in file order "
+                            "(export.parity.examples=N, or all)",
         "tokenization": {}, "greedy": {},
         "hf_outputs": [tokenizer.decode(o) for o in hf_out], "gguf_outputs": {}, "type_mix": {},
     }
@@ -316,7 +342,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
                                         "tokens": sum(map(len, prompt_ids))}
         t0 = time.time()
         llm = Llama(model_path=str(tmp / filename), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n_threads,
-                    seed=int(cfg.seed), verbose=False)
+                    n_threads_batch=n_threads, seed=int(cfg.seed), verbose=False)
         out = greedy_llama(llm, prompt_ids[: len(greedy_prompts)], max_new, set(eog), name)
         timing[f"greedy_{name}_seconds"] = round(time.time() - t0, 2)
         report["greedy"][name] = compare_greedy(hf_out, out)
@@ -336,17 +362,25 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     mf.write_json(tmp / "parity.json", report)
     publish_dir(tmp, final)
 
+    root = Path(cfg.paths.root)
+    manifest_path = Path(cfg.paths.export_dir) / "gguf_manifest.json"
     record = mf.base_manifest("gguf", OmegaConf.to_container(cfg, resolve=True))
     record.update({
+        "manifest_path": os.path.relpath(manifest_path, root),
+        "seeds": {"seed": int(cfg.seed)},
         "llama_cpp": {"llama_cpp_python": llamacpp.version(), "source": str(src),
                       "lock_sha256": mf.sha256_file(llamacpp.REPO / "lockfiles/llama-cpp.txt")},
-        "inputs": {"merged": {"path": merged.as_posix(), "sha256": mf.tree_digest(mf.sha256_tree(merged))}},
-        "outputs": {name: {"path": (final / f).as_posix(), "sha256": mf.sha256_file(final / f),
-                           "bytes": (final / f).stat().st_size} for name, f in files.items()},
+        "inputs": {"merged": mf.path_record(merged, root),
+                   "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),
+                   "train_data": mf.path_record(Path(cfg.paths.prepared) / "train.jsonl", root)},
+        "outputs": {**{name: {**mf.path_record(final / f, root), "bytes": (final / f).stat().st_size}
+                       for name, f in files.items()},
+                    "parity": mf.path_record(final / "parity.json", root),
+                    "modelfile": mf.path_record(final / "Modelfile", root)},
         "load_warnings": load["warnings"],
         "timing": {**timing, "wall_seconds": round(time.time() - started, 2)},
     })
-    mf.write_json(Path(cfg.paths.export_dir) / "gguf_manifest.json", record)
+    mf.write_json(manifest_path, record)
     print_summary(report, files, timing)
     return record
 

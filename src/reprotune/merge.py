@@ -63,10 +63,18 @@ def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]]:
     return rows
 
 
-def check_adapter(adapter_dir: Path) -> None:
+def check_adapter(adapter_dir: Path, model_cfg: Any) -> None:
+    """The adapter is complete and was trained on the configured base (its recorded identity, not assumed)."""
+    from reprotune.models import base_identity
+
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
         if not (adapter_dir / name).is_file():
             raise ExportError(f"merge: {adapter_dir / name} not found; run 'make train' first")
+    recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    expected = base_identity(model_cfg)[0]
+    if recorded != expected:
+        raise ExportError(f"merge: {adapter_dir}/adapter_config.json: base_model_name_or_path: the adapter was "
+                          f"trained on {recorded}, but model= is {expected}")
 
 
 def save_dtype(cfg: DictConfig, model_dir: str) -> str:
@@ -132,6 +140,15 @@ def publish_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def base_model_record(model_dir: str) -> dict[str, Any]:
+    """The base model as a manifest input: a local directory by its absolute path and content digest."""
+    from reprotune import manifest as mf
+
+    if not Path(model_dir).is_dir():
+        return {"path": model_dir, "sha256": None}  # a hub id: its revision is in the config
+    return {"path": str(Path(model_dir).resolve()), "sha256": mf.tree_digest(mf.sha256_tree(Path(model_dir)))}
+
+
 # -------------------------------------------------------------------------------------------------- main
 def merge(cfg: DictConfig) -> dict[str, Any]:
     import torch
@@ -143,7 +160,7 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
 
     started = time.time()
     adapter_dir = Path(cfg.paths.adapter)
-    check_adapter(adapter_dir)
+    check_adapter(adapter_dir, cfg.model)
     conversations = read_holdout(cfg)[: int(cfg.export.merge.prompts)]
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     dtype = save_dtype(cfg, model_dir)
@@ -199,17 +216,22 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
                           f"{min_top1}); try export.dtype=float32")
     publish_dir(tmp, final)
 
-    files = mf.sha256_tree(final)
+    root = Path(cfg.paths.root)
+    manifest_path = Path(cfg.paths.export_dir) / "merge_manifest.json"
     record = mf.base_manifest("merge", OmegaConf.to_container(cfg, resolve=True))
     record.update({
-        "inputs": {"base_model": model_dir, "adapter": {"path": adapter_dir.as_posix(),
-                                                        "sha256": mf.tree_digest(mf.sha256_tree(adapter_dir))}},
-        "outputs": {"merged": {"path": final.as_posix(), "sha256": mf.tree_digest(files), "files": files}},
+        "manifest_path": os.path.relpath(manifest_path, root),
+        "seeds": {"seed": int(cfg.seed)},
+        "inputs": {"adapter": mf.path_record(adapter_dir, root),
+                   "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),
+                   # outside the run (a shared cache): an absolute path, used in place by 'make verify'
+                   "base_model": base_model_record(model_dir)},
+        "outputs": {"merged": mf.path_record(final, root)},
         "parity": parity,
         "timing": {"merge_seconds": round(merge_seconds, 2), "save_seconds": round(save_seconds, 2),
                    "wall_seconds": round(time.time() - started, 2)},
     })
-    mf.write_json(Path(cfg.paths.export_dir) / "merge_manifest.json", record)
+    mf.write_json(manifest_path, record)
     log.info("merged -> %s (%s); fp32 max |Δlogit| %.2e; saved %s: max |Δlogit| %.3f, top-1 agreement %.4f",
              final, dtype, fp32["max_abs_diff"], dtype, saved["max_abs_diff"], saved["top1_agreement"])
     return record

@@ -92,13 +92,18 @@ def _random_init_tokenizer(spec: dict[str, Any]):
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
+def random_init_key(spec: dict[str, Any]) -> str:
+    """What identifies a randomly initialised model: the hash of its spec (shape, init seed, tokenizer)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def materialise_random_init(spec: dict[str, Any], cache: Path) -> Path:
     """A randomly initialised Llama-architecture model with the built-in tokenizer, deterministic from its
     config: tiny ones for tests, real 1B-8B shapes for GPU benchmarks without hub access."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    key = random_init_key(spec)
     final = cache / f"random-{key}"
     if (final / "reprotune-source.json").is_file():
         return final
@@ -155,3 +160,54 @@ def _plain(node: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+# ------------------------------------------------------------------------------------ stable base identity
+# adapter_config.json names its base by what it is, never by where a host keeps it, so the same run writes
+# the same adapter bytes whatever REPROTUNE_CACHE is: a hub id (+ PEFT's own `revision` field),
+# builtin:<preset>@<sha256 of the GGUF>, random_init:<preset>@<spec hash>, or local:<directory name>.
+def base_identity(model_cfg: Any) -> tuple[str, str | None]:
+    """(base_model_name_or_path, revision) for adapter_config.json."""
+    source = model_cfg.source
+    if source == "builtin":
+        return f"builtin:{model_cfg.name}@{model_cfg.builtin.sha256}", None
+    if source == "random_init":
+        return f"random_init:{model_cfg.name}@{random_init_key(_plain(model_cfg.random_init))}", None
+    if source == "hub":
+        return str(model_cfg.path), (str(model_cfg.revision) if model_cfg.revision else None)
+    if source == "local":
+        return f"local:{Path(str(model_cfg.path)).name}", None
+    raise ModelSourceError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
+
+
+def resolve_base_identity(identity: str, cache: str | Path, local_path: str | Path | None = None) -> str:
+    """The local directory (or hub id) from_pretrained loads for an adapter's base identity."""
+    from reprotune.config import compose
+
+    kind, _, rest = identity.partition(":")
+    if kind == "local":
+        if local_path is None:
+            raise ModelSourceError(f"base {identity}: a local model; pass its directory (model.path=...)")
+        return str(local_path)
+    if kind not in ("builtin", "random_init"):
+        return identity  # a hub id
+    name, _, digest = rest.partition("@")
+    preset = compose([f"model={name}"]).model
+    recorded = base_identity(preset)[0]
+    if recorded != identity:
+        raise ModelSourceError(f"base {identity}: conf/model/{name}.yaml now describes {recorded}; "
+                               "check out the revision the adapter was trained with")
+    return resolve_model_dir(preset, cache)
+
+
+def load_peft_model(adapter_dir: str | Path, cache: str | Path, dtype: str = "float32", **kwargs: Any):
+    """base (from the adapter's recorded identity) + adapter, the way PEFT users load it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    base_dir = resolve_base_identity(config["base_model_name_or_path"], cache, kwargs.pop("local_path", None))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype),
+                                                revision=config.get("revision"), **kwargs)
+    return PeftModel.from_pretrained(base, adapter_dir)

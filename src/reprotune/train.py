@@ -390,34 +390,24 @@ def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
 - Steps: {metrics['global_step']}, final train loss {metrics['final_train_loss']:.4f}, seed {cfg.seed}
 - Produced by `make train`; the full provenance is in `outputs/train/manifest.json`.
 
-Load with PEFT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<base>), "outputs/adapter")`.
+Load with PEFT on the base: `reprotune.models.load_peft_model("outputs/adapter", "<cache>/models")` (adapter_config.json
+names the base by a stable identity, not a path: a hub id, `builtin:`, `random_init:` or `local:`).
 {"This adapter was trained on private data: do not publish it." if cfg.data.private else ""}
 """
     (adapter_dir / "README.md").write_text(text)
 
 
-def portable_base_path(base: str) -> str:
-    """A base model directory under the working directory, relative to it: the same adapter bytes whether the
-    cache is reached as .cache/reprotune or as /workspace/.cache/reprotune (REPROTUNE_CACHE in the image)."""
-    path = Path(base)
-    if path.is_absolute() and path.exists():
-        try:
-            return str(path.resolve().relative_to(Path.cwd().resolve()))
-        except ValueError:
-            return base
-    return base
-
-
-def canonicalise_adapter_config(adapter_dir: Path) -> None:
-    """PEFT stores target_modules from a Python set, so its order follows the per-process string hash seed:
-    sort it, or two identical runs write different adapter_config.json bytes."""
+def canonicalise_adapter_config(adapter_dir: Path, base: tuple[str, str | None]) -> None:
+    """Same run, same bytes on any host: PEFT stores target_modules from a Python set (its order follows the
+    per-process string hash seed), so sort it; and it records the base by the path it was loaded from (a
+    host's cache location), so name the base by its stable identity instead (reprotune.models.base_identity;
+    reprotune.models.resolve_base_identity maps it back to the local directory)."""
     path = adapter_dir / "adapter_config.json"
     config = json.loads(path.read_text())
     for key in ("target_modules", "modules_to_save", "exclude_modules"):
         if isinstance(config.get(key), list):
             config[key] = sorted(config[key])
-    if isinstance(config.get("base_model_name_or_path"), str):
-        config["base_model_name_or_path"] = portable_base_path(config["base_model_name_or_path"])
+    config["base_model_name_or_path"], config["revision"] = base
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -427,8 +417,10 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
     final = Path(cfg.paths.adapter)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    from reprotune.models import base_identity
+
     trainer.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
-    canonicalise_adapter_config(tmp)
+    canonicalise_adapter_config(tmp, base_identity(cfg.model))
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
     tokenizer.chat_template = original_template

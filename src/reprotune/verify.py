@@ -228,7 +228,7 @@ def manifests_at(rev: str, repo: Path) -> list[str]:
         raise VerifyError(f"{rev}: no dvc.lock at that revision (nothing was run with 'make repro' there)")
     stages = (yaml.safe_load(lock.stdout) or {}).get("stages", {})
     found = [out["path"] for st in stages.values() for out in st.get("outs", [])
-             if Path(out["path"]).name == "manifest.json"]
+             if Path(out["path"]).name.endswith("manifest.json")]
     if not found:
         raise VerifyError(f"{rev}: dvc.lock records no stage manifest (manifest.json outs)")
     return found

@@ -1,0 +1,294 @@
+"""dvc.yaml, derived from the code: each stage's code deps are the project modules its command imports
+(transitively, lazy imports inside functions included) and its params are the config keys that code reads.
+
+    python -m reprotune.pipeline            # == make dvc-yaml: rewrite dvc.yaml
+    python -m reprotune.pipeline --check    # exit 1 when dvc.yaml is stale (tests/test_pipeline.py runs it)
+
+Hand-kept here (STAGES): each stage's module, its data deps and outs, and the non-Python files it reads.
+Derived: everything else. Params follow the calls from the stage's main() through the project's functions
+(a module imported for one helper does not add the params of the rest of it). A config read is an attribute chain on a variable named `cfg` (`cfg.train.max_steps`,
+`cfg.export.get("threads")`); a chain that stops early (`t = cfg.train`, `f(cfg.model)`) counts as reading that
+whole subtree. `paths.*` is never a param: it says where files are, and dvc.yaml's deps and outs name them.
+Two reads are deliberately not params: the whole config copied into a stage's manifest (a record of the run,
+not an input of its outputs), and train's resume fingerprint (it only decides whether a checkpoint is reused,
+and a resumed run gives the same bytes as an uninterrupted one).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PACKAGE = "reprotune"
+SRC = Path(__file__).resolve().parent
+REPO = SRC.parents[1]
+DVC_YAML = REPO / "dvc.yaml"
+HYDRA_ARGS = "--config-dir . --config-name params hydra.run.dir=. hydra.output_subdir=null hydra/job_logging=stdout"
+NOT_PARAMS = ("paths",)
+
+
+@dataclass
+class Stage:
+    module: str
+    desc: str
+    deps: list[str]                     # data and non-Python files the stage reads (code deps are derived)
+    outs: list[str]
+    metrics: list[str] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+
+
+LOCKS = ["lockfiles/cpu.txt", "lockfiles/cuda.txt"]
+LLAMA_CPP = ["lockfiles/llama-cpp.txt", "lockfiles/llama-cpp-build.txt", "scripts/build_llama_cpp.sh"]
+# manifests carry timings, so they differ run to run: cached (not in git) so 'make verify RUN=<rev>' finds them
+STAGES: dict[str, Stage] = {
+    "prepare": Stage("prepare", "Validate, convert, scrub PII, split: data.path -> data/prepared",
+                     ["${data.path}", *LOCKS],
+                     ["data/prepared/train.jsonl", "data/prepared/holdout.jsonl",
+                      "data/prepared/rejected.jsonl",  # data.on_invalid=skip: file, line, reason per skipped record
+                      "data/prepared/manifest.json"],
+                     ["data/prepared/report.json", "data/prepared/pii_report.json"],
+                     ["data/prepared/lengths.png"]),
+    # the launcher (torchrun for NPROC>1) runs reprotune.train in each process: NPROC etc. come from the environment
+    "train": Stage("distributed", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",
+                   ["data/prepared/train.jsonl", "conf/chat_templates", *LOCKS],
+                   ["outputs/adapter", "outputs/train/manifest.json"],
+                   ["outputs/train/metrics.json"], ["outputs/train/loss.png"]),
+    "eval": Stage("evaluate", "Base vs fine-tuned on the holdout -> outputs/eval",
+                  ["data/prepared/holdout.jsonl", "outputs/adapter", *LOCKS],
+                  ["outputs/eval/predictions.jsonl", "outputs/eval/report.md", "outputs/eval/manifest.json"],
+                  ["outputs/eval/metrics.json"], ["outputs/eval/comparison.png"]),
+    "merge": Stage("merge", "Merge the adapter into the full-precision base -> outputs/merged",
+                   ["outputs/adapter", "data/prepared/holdout.jsonl", *LOCKS],
+                   ["outputs/merged", "outputs/export/merge_manifest.json"]),
+    "gguf": Stage("gguf", "Convert to GGUF, quantize, check parity with the HF model -> outputs/gguf",
+                  ["outputs/merged", "data/prepared/holdout.jsonl", "data/prepared/train.jsonl", *LOCKS, *LLAMA_CPP],
+                  ["outputs/gguf", "outputs/export/gguf_manifest.json"]),
+}
+
+
+# ------------------------------------------------------------------------------------------ import graph
+def module_file(module: str) -> Path:
+    rel = module.removeprefix(PACKAGE).lstrip(".").replace(".", "/")
+    path = SRC / rel
+    return path / "__init__.py" if path.is_dir() or not rel else path.with_suffix(".py")
+
+
+def launched(node: ast.AST) -> set[str]:
+    """Project modules run as `python -m reprotune.x` from here (a string that names a module exactly)."""
+    return {sub.value for sub in ast.walk(node) if isinstance(sub, ast.Constant) and isinstance(sub.value, str)
+            and sub.value.startswith(PACKAGE + ".") and sub.value.replace(".", "").replace("_", "").isalnum()
+            and module_file(sub.value).is_file()}
+
+
+def direct_imports(module: str) -> set[str]:
+    """Project modules a module imports anywhere in its body (top level and inside functions), or launches."""
+    tree = ast.parse(module_file(module).read_text())
+    found: set[str] = launched(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            found.add(node.module)
+            # `from reprotune import manifest` imports a submodule, `from reprotune.x import f` does not
+            found |= {f"{node.module}.{a.name}" for a in node.names
+                      if module_file(f"{node.module}.{a.name}").is_file()}
+    return {m for m in found if module_file(m).is_file()}
+
+
+def import_closure(module: str) -> list[str]:
+    """The module, every project module it imports transitively, and their packages' __init__."""
+    seen: set[str] = set()
+    todo = [f"{PACKAGE}.{module}"]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        parts = current.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # packages run their __init__
+        todo += sorted(direct_imports(current))
+    return sorted(seen)
+
+
+def code_deps(module: str) -> list[str]:
+    return sorted(module_file(m).relative_to(REPO).as_posix() for m in import_closure(module))
+
+
+# ----------------------------------------------------------------------------------------- config reads
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _chain(name: ast.Name, parents: dict[ast.AST, ast.AST]) -> list[str]:
+    """Keys read through one use of `cfg`: cfg.a.b, cfg.a.get("b"), cfg.a["b"] -> [a, b]."""
+    keys: list[str] = []
+    node: ast.AST = name
+    while True:
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and parent.value is node:
+            call = parents.get(parent)
+            if parent.attr == "get" and isinstance(call, ast.Call) and call.func is parent:
+                if call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
+                    keys.append(call.args[0].value)
+                    node = call
+                    continue
+                return keys
+            if isinstance(call, ast.Call) and call.func is parent:
+                return keys  # a method of the config object (items(), keys()): the object is read whole
+            keys.append(parent.attr)
+            node = parent
+        elif (isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.slice, ast.Constant)
+              and isinstance(parent.slice.value, str)):
+            keys.append(parent.slice.value)
+            node = parent
+        else:
+            return keys
+
+
+def cfg_reads(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> set[str]:
+    """Dotted config keys read from a variable named cfg inside one function (see the module docstring)."""
+    reads = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id == "cfg" and isinstance(sub.ctx, ast.Load):
+            keys = _chain(sub, parents)
+            if keys:  # bare cfg: passed on (its reads are found where it is used) or recorded in a manifest
+                reads.add(".".join(keys))
+    return reads
+
+
+@dataclass
+class ModuleIndex:
+    functions: dict[str, ast.AST]
+    parents: dict[ast.AST, ast.AST]
+    modules: dict[str, str]                 # local alias -> project module
+    names: dict[str, tuple[str, str]]       # local alias -> (project module, function)
+
+
+def index_module(module: str) -> ModuleIndex:
+    tree = ast.parse(module_file(module).read_text())
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    modules: dict[str, str] = {}
+    names: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(tree):  # lazy imports inside functions count too
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            for a in node.names:
+                if module_file(f"{node.module}.{a.name}").is_file():
+                    modules[a.asname or a.name] = f"{node.module}.{a.name}"
+                else:
+                    names[a.asname or a.name] = (node.module, a.name)
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname: a.name for a in node.names if a.asname and a.name.split(".")[0] == PACKAGE}
+    return ModuleIndex(functions, _parents(tree), modules, names)
+
+
+def reachable_reads(module: str, entry: str = "main") -> set[str]:
+    """Config keys read by every project function reachable from module.entry (calls and references)."""
+    indexes: dict[str, ModuleIndex] = {}
+    seen: set[tuple[str, str]] = set()
+    todo = [(f"{PACKAGE}.{module}", entry)]
+    reads: set[str] = set()
+    while todo:
+        mod, name = todo.pop()
+        if (mod, name) in seen:
+            continue
+        seen.add((mod, name))
+        index = indexes.setdefault(mod, index_module(mod))
+        func = index.functions.get(name)
+        if func is None:
+            continue  # a class or constant: no config reads of its own
+        reads |= cfg_reads(func, index.parents)
+        todo += [(launched_module, "main") for launched_module in launched(func)]
+        for sub in ast.walk(func):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
+                if sub.id in index.functions:
+                    todo.append((mod, sub.id))
+                elif sub.id in index.names:
+                    todo.append(index.names[sub.id])
+            elif (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                  and sub.value.id in index.modules):
+                todo.append((index.modules[sub.value.id], sub.attr))
+    return reads
+
+
+def _existing_prefix(key: str, config: dict) -> str | None:
+    """The longest prefix of key present in the composed config (an optional key -> its group)."""
+    parts, node, kept = key.split("."), config, []
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            break
+        kept.append(part)
+        node = node[part]
+    return ".".join(kept) or None
+
+
+def minimal_keys(keys: set[str]) -> list[str]:
+    """Drop keys covered by a read of their parent (reading `train` covers `train.max_steps`)."""
+    return sorted(k for k in keys if not any(k.startswith(other + ".") for other in keys if other != k))
+
+
+def stage_params(module: str, config: dict) -> list[str]:
+    reads = reachable_reads(module)
+    kept = {p for k in reads if (p := _existing_prefix(k, config)) and p.split(".")[0] not in NOT_PARAMS}
+    return minimal_keys(kept)
+
+
+# ---------------------------------------------------------------------------------------------- dvc.yaml
+HEADER = """\
+# GENERATED by 'make dvc-yaml' (python -m reprotune.pipeline) from src/reprotune/pipeline.py: do not edit.
+# Code deps are the project modules each stage's command imports (transitively); params are the config keys
+# its code reads (params.yaml, composed from conf/ + ARGS by every 'make <stage>'). tests/test_pipeline.py
+# fails when this file is stale. Run a stage and what it needs: make train | eval | merge | gguf.
+"""
+
+
+def build(config: dict) -> dict[str, Any]:
+    stages: dict[str, Any] = {}
+    for name, st in STAGES.items():
+        entry: dict[str, Any] = {
+            "desc": st.desc,
+            "cmd": f"python -m {PACKAGE}.{st.module} {HYDRA_ARGS}",
+            "deps": [*st.deps, *code_deps(st.module)],
+            "params": stage_params(st.module, config),
+            "outs": st.outs,
+        }
+        if st.metrics:
+            entry["metrics"] = st.metrics
+        if st.plots:
+            entry["plots"] = st.plots
+        stages[name] = entry
+    return {"stages": stages}
+
+
+def render(config: dict) -> str:
+    return HEADER + yaml.safe_dump(build(config), sort_keys=False, width=120)
+
+
+def default_config() -> dict:
+    from omegaconf import OmegaConf
+
+    from reprotune.config import compose
+
+    return OmegaConf.to_container(compose([]), resolve=False)
+
+
+def main(argv: list[str]) -> int:
+    text = render(default_config())
+    if "--check" in argv:
+        if DVC_YAML.read_text() != text:
+            print("dvc.yaml is stale: run 'make dvc-yaml' and commit it", file=sys.stderr)
+            return 1
+        return 0
+    tmp = DVC_YAML.with_name("dvc.yaml.tmp")
+    tmp.write_text(text)
+    tmp.replace(DVC_YAML)
+    print(f"wrote {DVC_YAML.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

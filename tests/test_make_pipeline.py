@@ -1,0 +1,140 @@
+"""make train, make eval, make gguf as a new user runs them, in a fresh git copy of this checkout (tiny model):
+each brings its prerequisites up to date through DVC and skips what is current, dvc.lock describes outputs/
+afterwards, and changing one input re-runs exactly the stages that read it (and those whose inputs changed).
+
+The re-run matrix it prints is the one in docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reprotune.manifest import sha256_tree
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+VENV = Path(sys.executable).parent.parent
+# the tiny model; a high learning rate so the adapter visibly moves the logits (merge parity has teeth)
+TINY = ["model=tiny_random", "train.max_steps=3", "train.save_steps=3", "train.logging_steps=1",
+        "train.per_device_train_batch_size=2", "train.learning_rate=0.01", "eval.max_examples=4",
+        "eval.max_new_tokens=16", "export.merge.prompts=2", "export.parity.examples=2",
+        "export.parity.max_new_tokens=16"]
+ALL = ["prepare", "train", "eval", "merge", "gguf"]
+TIMES: dict[str, float] = {}
+
+
+def run(cmd: list[str], root: Path, env: dict, timeout: int = 1800) -> str:
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def make(root: Path, target: str, env: dict, extra: tuple[str, ...] = ()) -> list[str]:
+    """Run a make target with the tiny settings; return the DVC stages it ran, in order."""
+    started = time.time()
+    log = run(["make", target, f"ARGS={' '.join([*TINY, *extra])}"], root, env)
+    TIMES[target] = TIMES.get(target, 0.0) + time.time() - started
+    return re.findall(r"Running stage '(\w+)'", log)
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A fresh git copy of this checkout (tracked + untracked-not-ignored files) with the shared venv."""
+    root = tmp_path_factory.mktemp("clone") / "reprotune"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        if (REPO / rel).is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, root / rel)
+    (root / ".venv").symlink_to(VENV)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS", "MAKELEVEL")}
+    env.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                "GIT_COMMITTER_EMAIL": "t@t", "DVC_NO_ANALYTICS": "1", "PYTHONHASHSEED": "random",
+                "REPROTUNE_CACHE": str(REPO / ".cache/reprotune"),  # the tiny model, materialised once
+                # the pinned llama.cpp build, reused (compiling it takes 6+ minutes)
+                "LLAMA_CPP_CACHE": os.environ.get("LLAMA_CPP_CACHE", str(REPO / ".cache/llama-cpp"))})
+    run(["git", "init", "-q", "-b", "main"], root, env)
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-q", "-m", "fresh clone"], root, env)
+    return root, env
+
+
+@pytest.fixture(scope="module")
+def first_runs(clone: tuple[Path, dict]) -> dict[str, list[str]]:
+    root, env = clone
+    return {target: make(root, target, env) for target in ("train", "eval", "gguf")}
+
+
+def test_train_eval_gguf_from_a_fresh_clone(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> None:
+    root, env = clone
+    assert first_runs == {"train": ["prepare", "train"], "eval": ["eval"], "gguf": ["merge", "gguf"]}
+    assert "Data and pipelines are up to date." in run([str(VENV / "bin/dvc"), "status"], root, env)
+    for path in ("outputs/adapter/adapter_model.safetensors", "outputs/eval/metrics.json",
+                 "outputs/merged/model.safetensors", "outputs/gguf/model-Q4_K_M.gguf",
+                 "outputs/export/gguf_manifest.json"):
+        assert (root / path).is_file(), path
+    lock = (root / "dvc.lock").read_text()
+    assert all(f"  {stage}:" in lock for stage in ALL)
+    print(f"\nfresh clone, tiny model: make train {TIMES['train']:.0f}s, make eval {TIMES['eval']:.0f}s, "
+          f"make gguf {TIMES['gguf']:.0f}s")
+
+
+def test_a_second_make_train_runs_nothing(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> None:
+    root, env = clone
+    before = sha256_tree(root / "outputs")
+    assert make(root, "train", env) == []
+    assert make(root, "gguf", env) == []
+    assert sha256_tree(root / "outputs") == before
+
+
+def _append_comment(root: Path, rel: str) -> None:
+    path = root / rel
+    path.write_text(path.read_text() + "# touched by tests/test_make_pipeline.py\n")
+
+
+# (what changes, extra ARGS, a file edited, the stages expected to run), applied one after the other
+MATRIX = [
+    ("nothing", (), None, []),
+    ("eval.max_new_tokens=8", ("eval.max_new_tokens=8",), None, ["eval"]),
+    ("export.parity.max_new_tokens=8", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"), None,
+     ["gguf"]),
+    ("edit src/reprotune/modelfile.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
+     "src/reprotune/modelfile.py", ["gguf"]),
+    ("edit src/reprotune/metrics.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
+     "src/reprotune/metrics.py", ["eval"]),
+    ("export.merge.prompts=3", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3"),
+     None, ["merge", "gguf"]),
+    ("train.max_steps=4", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3",
+                           "train.max_steps=4"), None, ["train", "eval", "merge", "gguf"]),
+]
+
+
+def test_rerun_matrix(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> None:
+    """make repro (all stages) after each change: which stages ran."""
+    root, env = clone
+    rows = []
+    for label, extra, edited, expected in MATRIX:
+        if edited:
+            _append_comment(root, edited)
+        ran = make(root, "repro", env, extra)
+        rows.append((label, ran))
+        assert sorted(ran, key=ALL.index) == expected, (label, ran)
+    # the model cache somewhere else: no stage reads where it is, so nothing re-runs
+    other = dict(env, REPROTUNE_CACHE=str(root.parent / "other-cache"))
+    ran = make(root, "repro", other, MATRIX[-1][1])
+    rows.append(("REPROTUNE_CACHE elsewhere", ran))
+    assert ran == []
+    print("\n| change | stages re-run |\n|---|---|")
+    for label, ran in rows:
+        print(f"| {label} | {', '.join(ran) or 'none'} |")

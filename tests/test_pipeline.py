@@ -1,0 +1,93 @@
+"""dvc.yaml is derived from the code (reprotune.pipeline): fresh, complete code deps, exactly the params read."""
+
+from __future__ import annotations
+
+import ast
+
+import yaml
+
+from reprotune import pipeline
+from reprotune.config import compose
+
+from .conftest import REPO
+
+
+def test_dvc_yaml_is_fresh() -> None:
+    """Editing a stage's imports or config reads without 'make dvc-yaml' fails here."""
+    assert (REPO / "dvc.yaml").read_text() == pipeline.render(pipeline.default_config()), \
+        "dvc.yaml is stale: run 'make dvc-yaml' and commit it"
+
+
+def test_code_deps_cover_every_imported_project_module() -> None:
+    """The modules the issue found missing are deps now, found through lazy and transitive imports."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    deps = {name: set(st["deps"]) for name, st in stages.items()}
+    src = "src/reprotune/"
+    assert {f"{src}{m}.py" for m in ("merge", "models", "manifest", "config", "llamacpp", "modelfile")} <= deps["gguf"]
+    assert {f"{src}manifest.py", f"{src}config.py", f"{src}train.py"} <= deps["eval"]  # eval uses train's loaders
+    for name, st in pipeline.STAGES.items():
+        for module in pipeline.import_closure(st.module):
+            assert pipeline.module_file(module).relative_to(REPO).as_posix() in deps[name], (name, module)
+    assert f"{src}pipeline.py" not in set().union(*deps.values())  # imported by no stage
+
+
+def test_import_closure_follows_lazy_imports(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "reprotune"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def main():\n    from reprotune import b\n    return b.f()\n")
+    (pkg / "b.py").write_text("from reprotune.c import g\n\ndef f():\n    return g()\n")
+    (pkg / "c.py").write_text("def g():\n    return 1\n")
+    (pkg / "d.py").write_text("")  # imported by nobody
+    monkeypatch.setattr(pipeline, "SRC", pkg)
+    assert pipeline.import_closure("a") == ["reprotune", "reprotune.a", "reprotune.b", "reprotune.c"]
+
+
+def test_config_reads_are_found_through_attributes_get_and_aliases() -> None:
+    code = """
+def f(cfg):
+    a = cfg.train.max_steps
+    b = cfg.export.get("threads") or cfg.export.parity["n_ctx"]
+    t = cfg.eval
+    helper(cfg.model)
+    record(cfg)               # bare: passed on or recorded, not a read
+    return cfg.data.items()   # a method: data is read whole
+"""
+    tree = ast.parse(code)
+    reads = pipeline.cfg_reads(tree, pipeline._parents(tree))
+    assert reads == {"train.max_steps", "export.threads", "export.parity.n_ctx", "eval", "model", "data"}
+
+
+def test_params_are_exactly_what_each_stage_reads() -> None:
+    """Reads follow calls: gguf imports merge for two helpers, not merge's params; eval reads no train.* key."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    params = {name: st["params"] for name, st in stages.items()}
+    assert "export.merge.prompts" in params["merge"] and not any(p.startswith("export.merge") for p in params["gguf"])
+    assert "train" in params["train"] and not any(p.startswith("train") for p in params["eval"])
+    assert "export.parity.examples" in params["gguf"] and "eval.max_new_tokens" in params["eval"]
+    assert not any(p.startswith("paths") for ps in params.values() for p in ps)
+    # every listed param exists in the composed config (DVC refuses a stage whose param is missing)
+    config = pipeline.default_config()
+    for name, keys in params.items():
+        for key in keys:
+            node = config
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, (name, key)
+                node = node[part]
+
+
+def test_prepare_depends_on_the_users_data_path(tmp_path) -> None:
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert "${data.path}" in stages["prepare"]["deps"]
+    # params.yaml holds data.path resolved, so DVC's template sees the user's file or folder
+    from reprotune.config import dump_params
+
+    assert compose(["data.path=/srv/mine.jsonl"]).data.path == "/srv/mine.jsonl"
+    out = tmp_path / "params.yaml"
+    dump_params(["data.path=/srv/mine.jsonl"], out)
+    assert yaml.safe_load(out.read_text())["data"]["path"] == "/srv/mine.jsonl"
+    dump_params([], out)
+    params = yaml.safe_load(out.read_text())
+    assert params["data"]["path"] == "./data/raw/invoices.jsonl"
+    assert params["train"]["max_length"] == params["data"]["max_length"]  # resolved: DVC sees the value
+    assert params["paths"]["model_cache"].startswith("${oc.env:REPROTUNE_CACHE")  # where is no param
