@@ -15,6 +15,8 @@ from reprotune.config import compose
 
 from .export_pipeline import tiny_export
 
+pytestmark = pytest.mark.slow  # needs the llama.cpp build (compiled on first use)
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:

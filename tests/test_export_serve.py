@@ -18,6 +18,8 @@ from reprotune.config import compose
 from .conftest import REPO
 from .export_pipeline import tiny_export
 
+pytestmark = pytest.mark.slow  # needs the llama.cpp build and starts llama-server
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
