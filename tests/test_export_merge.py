@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.merge import merge
 
 from .conftest import TINY_TRAIN, write_jsonl
@@ -74,9 +75,9 @@ def test_qlora_adapter_merges_into_full_precision_base(tmp_path: Path) -> None:
 
 def test_missing_adapter_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     write_jsonl(tmp_path / "data/prepared/holdout.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ReprotuneError) as err:
         merge(compose([*TINY_TRAIN, f"paths.root={tmp_path}"]))
-    assert "outputs/adapter/adapter_config.json not found" in str(err.value) and "make train" in str(err.value)
+    assert str(err.value) == f"{tmp_path}/outputs/adapter/adapter_config.json: file: not found; run 'make train' first"
 
 
 def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[Path, list[str]],
@@ -90,7 +91,7 @@ def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[
     (tmp_path / "data/prepared").mkdir(parents=True)
     (tmp_path / "data/prepared/holdout.jsonl").write_text(good[0] + "\n" + '{"messages": [oops\n')
     before = (tmp_path / "outputs/merged/model.safetensors").read_bytes()
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ReprotuneError) as err:
         merge(compose([*overrides, f"paths.root={tmp_path}"]))
-    assert str(err.value).startswith(f"export: {tmp_path}/data/prepared/holdout.jsonl:2: field 'messages'")
+    assert str(err.value).startswith(f"{tmp_path}/data/prepared/holdout.jsonl:2: json: not valid JSON")
     assert (tmp_path / "outputs/merged/model.safetensors").read_bytes() == before

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reprotune.formats import MAX_PROBLEMS_PER_FILE, DataError, read_dataset, read_file
+from reprotune.errors import ReprotuneError
+from reprotune.formats import MAX_PROBLEMS_PER_FILE, read_dataset, read_file
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello"}]
@@ -25,7 +26,7 @@ def jsonl(*rows: object) -> str:
 
 
 def problems_of(path: Path, fmt: str = "auto") -> list[str]:
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ReprotuneError) as err:
         read_dataset(path, fmt)
     return err.value.problems
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reprotune.errors import ReprotuneError
+
 FORMATS = ("chat", "chat_json", "sharegpt", "alpaca", "prompt_completion")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -38,14 +40,6 @@ RECORD_KEYS: dict[str, tuple[set[str], set[str]]] = {  # format -> (required, op
 }
 SUFFIXES = (".jsonl", ".json")
 MAX_PROBLEMS_PER_FILE = 50
-
-
-class DataError(Exception):
-    """The input data is unusable; ``problems`` holds one ``file:line: field: what`` line each."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
 
 
 @dataclass
@@ -86,13 +80,13 @@ class _Problems:
 def list_input_files(path: Path) -> list[Path]:
     """The files a data.path names: the file itself, or every *.jsonl/*.json under a folder, sorted."""
     if not path.exists():
-        raise DataError([f"{path}:0: path: no such file or directory (set data.path=<file or folder>)"])
+        raise ReprotuneError([f"{path}:0: path: no such file or directory (set data.path=<file or folder>)"])
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
-        raise DataError([f"{path}:0: path: folder holds no .jsonl or .json files"])
+        raise ReprotuneError([f"{path}:0: path: folder holds no .jsonl or .json files"])
     return files
 
 
@@ -343,11 +337,11 @@ def read_file(path: Path, forced: str = "auto") -> FileResult:
 
 
 def read_dataset(path: Path, forced: str = "auto") -> list[FileResult]:
-    """Every file under data.path, read and validated; raises DataError with all problems of all files."""
+    """Every file under data.path, read and validated; raises ReprotuneError with all problems of all files."""
     if forced not in ("auto", *FORMATS):
-        raise DataError([f"{path}:0: data.format: unknown format {forced!r} (auto, {', '.join(FORMATS)})"])
+        raise ReprotuneError([f"{path}:0: data.format: unknown format {forced!r} (auto, {', '.join(FORMATS)})"])
     results = [read_file(p, forced) for p in list_input_files(path)]
     problems = [line for r in results for line in r.problems]
     if problems:
-        raise DataError(problems)
+        raise ReprotuneError(problems)
     return results
