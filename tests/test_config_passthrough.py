@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from reprotune import speed
 from reprotune.config import CONF_DIR, compose, library_keys
 from reprotune.train import METHOD_OWN, TRAIN_OWN, lora_config, sft_config
 
@@ -19,9 +20,11 @@ GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for g
 
 def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
     cfg = compose([f"paths.root={tmp_path}", "+train.label_smoothing_factor=0.1", "train.learning_rate=3e-4"])
-    args = sft_config(cfg, "cpu", "float32", has_val=False)
-    # reprotune sets these itself (where checkpoints go and how they rotate, the validation split, privacy)
-    overridden = {"save_total_limit", "eval_steps", "report_to"}
+    args = sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cpu"))
+    # reprotune sets these itself (where checkpoints go and how they rotate, the validation split, privacy;
+    # batch shape and packing fitted by reprotune.speed)
+    overridden = {"save_total_limit", "eval_steps", "report_to", "packing", "per_device_train_batch_size",
+                  "gradient_accumulation_steps"}
     passed = library_keys(cfg.train, TRAIN_OWN)
     assert passed["label_smoothing_factor"] == 0.1  # a key conf/ does not list, added on the command line
     for key, value in passed.items():
@@ -33,7 +36,7 @@ def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
 def test_unknown_train_key_fails_with_trls_message(tmp_path: Path) -> None:
     cfg = compose([f"paths.root={tmp_path}", "+train.learning_rat=1e-4"])
     with pytest.raises(TypeError, match="unexpected keyword argument 'learning_rat'"):
-        sft_config(cfg, "cpu", "float32", has_val=False)
+        sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cpu"))
 
 
 @pytest.mark.parametrize("method", GROUPS["method"])

@@ -29,11 +29,6 @@ def resolve_dtype(cfg: DictConfig, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def resolve_gradient_checkpointing(cfg: DictConfig, device: str) -> bool:
-    setting = cfg.hardware.gradient_checkpointing
-    return device == "cuda" if setting == "auto" else bool(setting)
-
-
 def set_reproducibility(cfg: DictConfig, device: str) -> None:
     """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU)."""
     import torch

@@ -1,0 +1,241 @@
+"""The fast GPU path of the train stage, and how fast a run went.
+
+What `make train` picks on a GPU without being told (hardware=gpu or hardware=auto on a GPU host):
+- padding-free packing (TRL's best-fit-decreasing packing): examples are packed into rows of up to
+  train.max_length tokens and flattened into one sequence per micro-batch; position ids restart at every
+  example, so attention is block-diagonal (transformers builds the mask from the position ids) and no token
+  attends across examples; the assistant-only loss mask is carried through packing unchanged;
+- an attention kernel that skips the masked blocks of that block-diagonal mask (flex attention);
+- Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (TRL already projects the LM head in tiles, so the logits are
+  never materialised);
+- activation checkpointing only when the run would not fit in GPU memory without it.
+Each choice can be forced in conf/hardware/ (and train.packing); `choose` records why it chose what it did.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from reprotune.config import quantization
+
+log = logging.getLogger("reprotune.speed")
+
+# bf16 dense matrix rate measured on the lent H200s (8192^3 products, random data): the MFU denominator
+H200_BF16_FLOPS = 790e12
+
+
+@dataclass(frozen=True)
+class FastPath:
+    packing: bool
+    attn_implementation: str | None  # None: the model's default (SDPA)
+    liger: bool
+    activation_checkpointing: bool
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    reasons: tuple[str, ...]
+
+    def as_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def choose(cfg: DictConfig, device: str, fitted: tuple[int, int, bool, str] | None = None) -> FastPath:
+    """The speed settings of a run, from hardware.* and train.packing ('auto' or null: decided here)."""
+    hw = cfg.hardware
+    fast = device == "cuda" if _auto(hw.get("fast_path", "auto")) else bool(hw.fast_path)
+    reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if device == 'cuda' else device})"]
+
+    packing = fast if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
+
+    attn = hw.get("attn_implementation", "auto")
+    if _auto(attn):
+        if cfg.repro == "strict" and not packing:
+            attn = "eager"  # unpacked strict runs keep the measured deterministic path
+        elif packing and device == "cuda":
+            attn = "flex_attention"  # computes only the blocks inside each example
+        else:
+            attn = None  # SDPA; on CPU it takes the block-diagonal mask as a dense mask
+    reasons.append(f"attention={attn or 'sdpa'}")
+
+    liger = hw.get("liger_kernel", "auto")
+    if _auto(liger):
+        liger = fast and device == "cuda" and liger_available()
+        if fast and device == "cuda" and not liger:
+            reasons.append("liger-kernel not installed (pip install liger-kernel): unfused norms/activations")
+    liger = bool(liger)
+
+    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
+    ckpt = hw.gradient_checkpointing
+    if _auto(ckpt):
+        ckpt = False
+        if device == "cuda" and fitted:
+            rows, accum, ckpt, why = fitted
+            reasons.append(why)
+    return FastPath(packing=packing, attn_implementation=attn, liger=liger, activation_checkpointing=bool(ckpt),
+                    per_device_train_batch_size=rows, gradient_accumulation_steps=accum, reasons=tuple(reasons))
+
+
+# ------------------------------------------------------------------------------- memory (interim rule)
+# Until `make plan`'s memory model decides, a rule fitted to H200 runs (8B shape, 4 packed rows of 1,100 tokens):
+# activations kept for the backward, per token and layer, ~(16 h + 4 i) bf16 values unfused and ~(10 h + 2 i)
+# with Liger's fused kernels (QLoRA, no checkpointing: 23.6 GiB allocated with 4.1 GiB of NF4 weights).
+GIB = 2**30
+
+
+def weight_bytes(model_config: Any, four_bit: bool) -> float:
+    c = model_config
+    head_and_embeddings = 2 * c.vocab_size * c.hidden_size
+    linear = matmul_flops_per_token(c) / 2 - c.vocab_size * c.hidden_size
+    return head_and_embeddings * 2 + linear * (0.516 if four_bit else 2.0)  # NF4 + double-quantised scales
+
+
+def estimate_peak_bytes(model_config: Any, tokens: int, four_bit: bool, liger: bool, checkpointing: bool) -> float:
+    c = model_config
+    if checkpointing:  # each layer's input, plus one layer's activations while it is recomputed
+        per_token = c.num_hidden_layers * c.hidden_size * 2 + (16 * c.hidden_size + 4 * c.intermediate_size) * 2
+    else:
+        per_layer = (10 * c.hidden_size + 2 * c.intermediate_size) if liger else (16 * c.hidden_size
+                                                                                 + 4 * c.intermediate_size)
+        per_token = c.num_hidden_layers * per_layer * 2
+    return weight_bytes(c, four_bit) + tokens * per_token + 1.5 * GIB
+
+
+def memory_budget(cfg: DictConfig, free_bytes: int) -> float:
+    """hardware.memory_budget_gib, or auto: 20 GiB for 4-bit runs (QLoRA is how a run fits a 24 GB card, so its
+    default plan must), else 90% of the GPU's free memory."""
+    budget = cfg.hardware.get("memory_budget_gib", "auto")
+    if _auto(budget):
+        return 20 * GIB if quantization(cfg) else 0.9 * free_bytes
+    return float(budget) * GIB
+
+
+def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bool) -> tuple[int, int, bool, str]:
+    """(rows per micro-batch, gradient accumulation, checkpointing, why): the configured global batch is kept;
+    fewer rows with more accumulation come first (cheaper than recomputing every layer), checkpointing last."""
+    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
+    length, four_bit = int(cfg.train.max_length), bool(quantization(cfg))
+    r = rows
+    while r >= 1:
+        if rows % r == 0:
+            need = estimate_peak_bytes(model_config, r * length, four_bit, liger, checkpointing=False)
+            if need <= budget:
+                why = (f"~{need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget without checkpointing"
+                       + (f"; micro-batch {rows} -> {r} rows, accumulation {accum} -> {accum * rows // r}" if r != rows else ""))
+                return r, accum * rows // r, False, why
+        r -= 1
+    need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=True)
+    return rows, accum, True, f"checkpointing on: ~{need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget"
+
+
+# ------------------------------------------------------------------------------------------- measuring
+def matmul_flops_per_token(model_config: Any) -> float:
+    """Forward FLOPs of the dense layers per token (2 x the weights every token passes through; embedding
+    lookups are free)."""
+    c = model_config
+    h, i, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o; k, v; gate, up, down
+    return 2.0 * (layers * per_layer + h * c.vocab_size)
+
+
+def attention_flops_per_token(model_config: Any, mean_context: float) -> float:
+    """Forward FLOPs of causal attention per token for examples of mean length `mean_context` (QK^T and PV)."""
+    c = model_config
+    return 2.0 * 2.0 * c.num_hidden_layers * c.hidden_size * mean_context / 2.0
+
+
+def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: bool) -> float:
+    """FLOPs per token of a LoRA/QLoRA training step on a frozen base: forward, the input-gradient half of the
+    backward (frozen weights need no weight gradient), attention backward ~2x its forward, and one more forward
+    when activations are recomputed. The adapters' own FLOPs (rank 16) are under 1% and left out."""
+    dense = matmul_flops_per_token(model_config)
+    attn = attention_flops_per_token(model_config, mean_example_tokens)
+    return (2 + int(recompute)) * dense + (3 + int(recompute)) * attn
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF16_FLOPS) -> float:
+    return tokens_per_second * flops_per_token / peak
+
+
+def step_timer_callback(skip_first: int = 2, stop_before: int | None = None):
+    """A TrainerCallback timing every optimizer step (GPU-synchronised), so tokens/s can leave out the first
+    steps (kernel compilation, autotuning, allocator warm-up) as well as report the whole run."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.marks: list[tuple[int, float, int]] = []  # (step, time, tokens seen)
+
+        def _mark(self, state) -> None:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.marks.append((state.global_step, time.perf_counter(), int(state.num_input_tokens_seen)))
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._mark(state)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._mark(state)
+
+        def steady_tokens_per_second(self) -> float | None:
+            marks = [m for m in self.marks if stop_before is None or m[0] <= stop_before]
+            if len(marks) < skip_first + 2:
+                return None
+            (_, t0, n0), (_, t1, n1) = marks[skip_first], marks[-1]
+            return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+        def step_seconds(self) -> list[float]:
+            return [round(b[1] - a[1], 4) for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    return StepTimer()
+
+
+def profiler_callback(steps: tuple[int, int], out_table: str):
+    """torch.profiler over optimizer steps [first, last); writes the top CUDA kernels by time to out_table."""
+    from transformers import TrainerCallback
+
+    class Profile(TrainerCallback):
+        prof = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            import torch
+
+            if state.global_step == steps[0] and self.prof is None:
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            import torch
+
+            if self.prof is not None and state.global_step >= steps[1]:
+                torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                averages = self.prof.key_averages()
+                try:
+                    table = averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=90)
+                except (AttributeError, KeyError):
+                    table = averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+                os.makedirs(os.path.dirname(out_table), exist_ok=True)
+                with open(out_table, "w") as fh:
+                    fh.write(f"torch.profiler, optimizer steps {steps[0]}..{steps[1]}\n{table}\n")
+                log.info("profile of steps %s written to %s", steps, out_table)
+                self.prof = None
+
+    return Profile()
