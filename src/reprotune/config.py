@@ -8,6 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from reprotune.io import atomic_write_text
+
 # conf/ lives at the repository root (the project runs from its source tree, in the venv and in the image)
 CONF_DIR = Path(os.environ.get("REPROTUNE_CONF", Path(__file__).resolve().parents[2] / "conf")).resolve()
 
@@ -45,9 +47,7 @@ def dump_params(overrides: list[str], out: Path) -> None:
     cfg = OmegaConf.to_container(compose(overrides), resolve=False)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
            "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(PARAMS_HEADER + OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    os.replace(tmp, out)
+    atomic_write_text(out, PARAMS_HEADER + OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
 if __name__ == "__main__":
