@@ -400,7 +400,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         tokens_before = int(json.loads((Path(resume_from) / "trainer_state.json").read_text())
                             .get("num_input_tokens_seen", 0))
     train_started = time.time()
-    trainer.train(resume_from_checkpoint=resume_from)
+    # Under bf16 autocast PEFT's cast of every adapter input to the fp32 adapter dtype is undone by autocast at
+    # once (bf16 -> fp32 -> bf16 is exact): skipping it computes the same numbers without two copies of each
+    # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
+    from peft.helpers import disable_input_dtype_casting
+
+    with disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"):
+        trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
 
     curves = loss_curves(trainer.state.log_history)
