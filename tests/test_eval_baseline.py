@@ -41,6 +41,7 @@ def baseline_args(url: str, *extra: str) -> list[str]:
             f"eval.baseline.system_prompt='{SYSTEM}'", "eval.baseline.max_retries=0", *extra]
 
 
+@pytest.mark.slow  # starts an OpenAI-compatible server on the tiny model
 def test_baseline_in_the_same_table(server: ChatServer, tiny_adapter: Path,  # noqa: F811
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, FAKE_KEY)
@@ -75,6 +76,7 @@ def test_baseline_in_the_same_table(server: ChatServer, tiny_adapter: Path,  # n
         assert FAKE_KEY.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow  # starts an OpenAI-compatible server on the tiny model
 def test_wrong_key_is_a_clear_error(server: ChatServer, tiny_adapter: Path,  # noqa: F811
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, "sk-wrong-key-000000")

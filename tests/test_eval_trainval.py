@@ -7,12 +7,15 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from reprotune.config import compose
 from reprotune.train import split_validation, train
 
 from .conftest import TINY_TRAIN
 
 
+@pytest.mark.slow  # trains with a validation pass
 def test_eval_steps_logs_eval_loss_on_a_split_of_train(workspace: tuple[Path, list[str]]) -> None:
     root, overrides = workspace
     train_file = root / "data/prepared/train.jsonl"

@@ -20,6 +20,7 @@ def merged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return tiny_export(tmp_path_factory, upto="merge")
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_merged_dir_is_a_complete_hf_model(merged: tuple[Path, list[str]]) -> None:
     root, _ = merged
     out = root / "outputs/merged"
@@ -37,6 +38,7 @@ def test_merged_dir_is_a_complete_hf_model(merged: tuple[Path, list[str]]) -> No
     assert not (root / "outputs/merged.tmp").exists()
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_merge_parity(merged: tuple[Path, list[str]]) -> None:
     root, _ = merged
     parity = json.loads((root / "outputs/merged/parity.json").read_text())
@@ -52,6 +54,7 @@ def test_merge_parity(merged: tuple[Path, list[str]]) -> None:
     assert len(manifest["outputs"]["merged"]["sha256"]) == 64
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_qlora_adapter_merges_into_full_precision_base(tmp_path: Path) -> None:
     from reprotune.train import train
 
@@ -80,6 +83,7 @@ def test_missing_adapter_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFix
     assert str(err.value) == f"{tmp_path}/outputs/adapter/adapter_config.json: file: not found; run 'make train' first"
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[Path, list[str]],
                                                                    tmp_path: Path) -> None:
     import shutil
