@@ -37,11 +37,15 @@ lock: ## Regenerate lockfiles/ from pyproject.toml (needs uv)
 
 .PHONY: data
 data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate; then verify the DVC hash
-	@bash scripts/get_data.sh
+	@VENV=$(VENV) bash scripts/get_data.sh
 
 .PHONY: prepare
 prepare: data ## Validate, convert, scrub PII, split -> data/prepared/{train,holdout}.jsonl + reports (ARGS="data.path=<file|dir>")
 	$(PY) -m reprotune.prepare $(ARGS)
+
+.PHONY: pii-review
+pii-review: venv ## Print a sample of PII replacements in context, terminal only (ARGS="data.path=<file|dir>")
+	$(PY) -m reprotune.pii_review $(ARGS)
 
 .PHONY: train
 train: prepare ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}

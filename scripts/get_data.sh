@@ -3,8 +3,9 @@
 # otherwise regenerate the built-in dataset deterministically; either way DVC then verifies the hash.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DVC=${DVC:-.venv/bin/dvc}
-PY=${PY:-.venv/bin/python}
+VENV=${VENV:-.venv}   # the Makefile passes its $(VENV): make prepare VENV=/opt/venv works in a fresh clone
+DVC=${DVC:-$VENV/bin/dvc}
+PY=${PY:-$VENV/bin/python}
 
 up_to_date() { "$DVC" status data.dvc 2>/dev/null | grep -q "up to date"; }
 

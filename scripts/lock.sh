@@ -29,8 +29,12 @@ common=(pyproject.toml --extra dev --generate-hashes --python-version 3.11
         --python-platform x86_64-manylinux_2_28 --no-header --no-emit-find-links --no-emit-index-url
         --index-url https://pypi.org/simple --index-strategy unsafe-best-match --quiet)
 
-"$UV" pip compile "${common[@]}" "${cpu_source[@]}" --override lockfiles/cpu-overrides.txt -o "$tmp/cpu.body"
-"$UV" pip compile "${common[@]}" -o "$tmp/cuda.body"
+# The current locks are the starting point (uv keeps their pins where they still satisfy pyproject), so adding a
+# dependency does not silently upgrade everything else; 'UV_UPGRADE=1 make lock' moves every pin to the newest.
+cp lockfiles/cpu.txt "$tmp/cpu.body"; cp lockfiles/cuda.txt "$tmp/cuda.body"
+upgrade=(); [ "${UV_UPGRADE:-0}" = 1 ] && upgrade=(--upgrade)
+"$UV" pip compile "${common[@]}" "${upgrade[@]}" "${cpu_source[@]}" --override lockfiles/cpu-overrides.txt -o "$tmp/cpu.body"
+"$UV" pip compile "${common[@]}" "${upgrade[@]}" --extra gpu -o "$tmp/cuda.body"
 
 write_lock() {  # variant, body, extra header line
   {

@@ -56,6 +56,8 @@ def test_torch_builds() -> None:
     assert pins(Path("lockfiles/cuda.txt"))["torch"] == "2.13.0"
     assert "nvidia-cudnn-cu13" in pins(Path("lockfiles/cuda.txt"))
     assert "bitsandbytes" in pins(Path("lockfiles/cpu.txt"))
+    # the GPU fast path's fused kernels are locked for CUDA only (they need Triton, which the CPU build lacks)
+    assert "liger-kernel" in pins(Path("lockfiles/cuda.txt")) and "liger-kernel" not in pins(Path("lockfiles/cpu.txt"))
     # no local paths leak into a lock users will install from
     for variant in ("cpu", "cuda", "builtin-model"):
         text = Path(f"lockfiles/{variant}.txt").read_text()

@@ -150,10 +150,11 @@ def test_names_next_to_companies(scrubber: Scrubber) -> None:
                                           "attn. Peter Novak. Contact: María García, +34 612 345 678."},
               {"role": "assistant", "content": "ok"}]]
     (conv,), report = scrubber.scrub(convs)
-    for name in ("Grace Hopper", "Alan Turing", "Peter Novak", "María García"):
+    for name in ("Peter Novak", "María García"):  # private: a contact label, a phone next to it
         assert name not in conv[0]["content"]
+    assert conv[0]["content"].startswith("Grace Hopper and Alan Turing were pioneers.")  # public figures stay
     assert "Invoice from Smith & Sons Ltd, attn. " in conv[0]["content"]
-    assert report.values["PERSON"] == 4
+    assert report.values["PERSON"] == 2
 
 
 def test_names_in_prose(scrubber: Scrubber) -> None:
@@ -184,3 +185,89 @@ def test_a_lone_first_name_is_replaced_only_where_it_was_found(scrubber: Scrubbe
     assert "Laura" not in out[0][0]["content"]
     assert out[1] == convs[1]  # a line-initial "Laura" is not detected there, and is not rewritten either
     assert report.replacements["PERSON"] == 1
+
+
+# --- names only where they identify a private person; consistent; numbers that are not phones ---------------
+
+
+def one(scrubber: Scrubber, *texts: str, trace: list | None = None) -> list[str]:
+    """Scrub one conversation of user/assistant turns; the scrubbed texts."""
+    conv = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+    (out,), _ = scrubber.scrub([conv], trace=trace)
+    return [m["content"] for m in out]
+
+
+@pytest.mark.parametrize("text", [
+    "Were you trained by Meta? Or created by Meta?",
+    "Leonardo da Vinci painted the Mona Lisa; Leonardo Da Vinci was also an engineer.",
+    "Sort these names alphabetically: Taylor Swift, Barack Obama, Serena Williams, Frida Kahlo.",
+    "In the story, Harry Potter and Hermione Granger visit Diagon Alley for the Glastonbury Festival.",
+    "Write a poem about Amelia Earhart's last flight.",
+])
+def test_public_figures_companies_and_characters_are_kept(scrubber: Scrubber, text: str) -> None:
+    assert one(scrubber, text, text) == [text, text]
+
+
+def test_private_names_are_replaced_consistently_everywhere_in_the_example(scrubber: Scrubber) -> None:
+    prompt = ("My name is Leonardo Rossi and my neighbour Karen Whitfield keeps parking in my spot. "
+              "Draft a note to her signed by me.")
+    answer = "Dear KAREN WHITFIELD,\n... Thank you, Karen.\n\nBest regards,\nleonardo rossi (Leonardo)"
+    trace: list[dict] = []
+    new_prompt, new_answer = one(scrubber, prompt, answer, trace=trace)
+    for original in ("Leonardo", "Rossi", "Karen", "Whitfield", "KAREN", "leonardo"):
+        assert original not in new_prompt + new_answer
+    fakes = {t["original"]: t["fake"] for t in trace}
+    karen, leonardo = fakes["Karen Whitfield"], fakes["Leonardo Rossi"]
+    assert fakes["KAREN WHITFIELD"] == karen.upper() and fakes["leonardo rossi"] == leonardo.lower()
+    assert fakes["Karen"] == karen.split()[0] and fakes["Leonardo"] == leonardo.split()[0]
+    from reprotune.pii import _gendered_names
+
+    male, female = _gendered_names()
+    assert leonardo.split()[0] in male and karen.split()[0] in female  # pronouns still agree
+    assert new_prompt.endswith("keeps parking in my spot. Draft a note to her signed by me.")
+
+
+def test_allow_list_keeps_terms(scrubber: Scrubber) -> None:
+    text = "Contact: Jane Roe, jane.roe@acme-mail.org. Dear Acme Support, thanks."
+    keep = Scrubber(seed=0, allow=["jane roe"])
+    out = one(keep, text)[0]
+    assert "Jane Roe" in out and "jane.roe@acme-mail.org" not in out
+    assert "Jane Roe" not in one(scrubber, text)[0]
+
+
+def test_reserved_example_domains_are_not_personal(scrubber: Scrubber) -> None:
+    text = "Sign up as johndoe@example.com or test@mail.example; write to boss@acme-corp.com."
+    out = one(scrubber, text)[0]
+    assert "johndoe@example.com" in out and "test@mail.example" in out and "boss@acme-corp.com" not in out
+
+
+@pytest.mark.parametrize("text", ["The value is 0.762848570174394 after 10 steps.",
+                                  "Windows build 10.0.19041.1234 and order 2125551234 shipped.",
+                                  "Version 1.22.333.4444; ratio 3.14159265"])
+def test_decimals_versions_and_ids_are_not_phones(scrubber: Scrubber, text: str) -> None:
+    assert one(scrubber, text) == [text]
+
+
+def test_phones_are_still_phones(scrubber: Scrubber) -> None:
+    text = "Call me on 2125551234 or 212.555.1234, mobile +44 7911 123456."
+    out = one(scrubber, text)[0]
+    for number in ("2125551234", "212.555.1234", "+44 7911 123456"):
+        assert number not in out
+
+
+def test_ssn_after_a_label_is_replaced_even_if_never_issued(scrubber: Scrubber) -> None:
+    text = "Applicant SSN: 078-05-1120. Social Security Number 219-09-9999."
+    out = one(scrubber, text)[0]
+    assert "078-05-1120" not in out and "219-09-9999" not in out
+    assert re.fullmatch(r"Applicant SSN: \d{3}-\d{2}-\d{4}\. Social Security Number \d{3}-\d{2}-\d{4}\.", out)
+
+
+def test_tool_call_arguments_are_scrubbed_like_text(scrubber: Scrubber) -> None:
+    args = json.dumps({"to": "jane.doe@acme-corp.com", "body": "hi"})
+    conv = [{"role": "user", "content": "Email jane.doe@acme-corp.com please"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "send_email", "arguments": args}}]},
+            {"role": "tool", "content": "sent"}, {"role": "assistant", "content": "Done."}]
+    (out,), _ = scrubber.scrub([conv])
+    fake = json.loads(out[1]["tool_calls"][0]["function"]["arguments"])["to"]
+    assert fake != "jane.doe@acme-corp.com" and out[0]["content"] == f"Email {fake} please"

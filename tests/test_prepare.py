@@ -17,7 +17,7 @@ from reprotune.invoices import generate
 from reprotune.prepare import example_key, prepare
 from tests.conftest import write_jsonl
 
-OUTPUTS = ("train.jsonl", "holdout.jsonl", "report.json", "pii_report.json", "lengths.png")
+OUTPUTS = ("train.jsonl", "holdout.jsonl", "report.json", "pii_report.json", "lengths.png", "rejected.jsonl")
 
 
 def run(root: Path, *overrides: str) -> dict:
@@ -173,3 +173,55 @@ def test_nothing_left_to_train_on_is_a_data_error(tmp_path: Path) -> None:
     with pytest.raises(ReprotuneError, match=r"long.jsonl:0: data: no training examples left .*'dropped': 4"):
         run(tmp_path, "data.path=${paths.raw}/long.jsonl", "data.max_length=20")
     assert not (tmp_path / "data/prepared").exists()
+
+
+def test_extra_keys_counted_and_invalid_records_skipped(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?", "trace_id": f"t{i}"},
+                          {"role": "assistant", "content": f"Answer {i}."}], "source": "export"} for i in range(10)]
+    rows[4] = {"messages": [{"role": "user", "content": "Mail jane.roe@example.org"},
+                            {"role": "robot", "content": "Jane Roe, 555-0100"}]}
+    write_jsonl(tmp_path / "data/raw/chats.jsonl", rows)
+    overrides = ("data.path=${paths.raw}/chats.jsonl", "data.scrub=true")
+    with pytest.raises(ReprotuneError, match=r'chats.jsonl:5: messages\[1\].role: unknown role "robot"'):
+        run(tmp_path, *overrides)  # the default stays: an invalid record is an error
+    report = run(tmp_path, *overrides, "data.on_invalid=skip")["report"]
+    assert report["examples"]["read"] == 9 and report["examples"]["rejected"] == 1
+    assert report["extra_keys_dropped"] == {"messages[].trace_id": 9, "source": 9}
+    rejected = (tmp_path / "data/prepared/rejected.jsonl").read_text()
+    assert json.loads(rejected) == {"file": "data/raw/chats.jsonl", "line": 5,
+                                    "reason": 'messages[1].role: unknown role "…" (expected assistant, system, tool, user)'}
+    assert "robot" not in rejected and "jane" not in rejected.lower()  # never record contents when scrubbing
+    assert capsys.readouterr().out.count("dropped unknown keys") <= 1
+
+
+def test_many_overlong_examples_are_explained(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_jsonl(tmp_path / "data/raw/long.jsonl", long_conversations(20))
+    run(tmp_path, "data.path=${paths.raw}/long.jsonl", "data.max_length=60")
+    out = capsys.readouterr().out
+    assert "prepare: 10 of 20 examples (50%) dropped as longer than data.max_length=60 tokens (p95 " in out
+    assert "data.max_length=" in out and "data.overlong=truncate" in out
+
+
+def test_cli_total_is_right_past_the_cap(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n" * 289)
+    proc = subprocess.run([sys.executable, "-m", "reprotune.prepare", f"paths.root={tmp_path}", f"data.path={bad}",
+                           "model=tiny_random"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"{bad}: ... and 239 more problems" in proc.stderr
+    assert "prepare: 289 problem(s); nothing written" in proc.stderr
+
+
+def test_pii_review_prints_replacements_in_context_and_writes_nothing(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    from reprotune.pii_review import review
+
+    rows = generate(6, seed=11)
+    rows[2]["messages"][1]["content"] += "\nContact: Priya Raman, priya.raman@acme-mail.org"
+    write_jsonl(tmp_path / "data/raw/invoices.jsonl", rows)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    shown = review(compose([f"paths.root={tmp_path}", "model=tiny_random"]))
+    out = capsys.readouterr().out
+    assert {t["original"] for t in shown} == {"Priya Raman", "priya.raman@acme-mail.org"}
+    assert "data/raw/invoices.jsonl:3  PERSON" in out and "Contact: [Priya Raman -> " in out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # terminal only

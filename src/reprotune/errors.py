@@ -18,8 +18,10 @@ EXIT_USER_ERROR = 2
 class ReprotuneError(Exception):
     """Something the user can fix; `problems` holds one line each (the message is them joined)."""
 
-    def __init__(self, problems: str | list[str]) -> None:
+    def __init__(self, problems: str | list[str], total: int | None = None) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
+        # `total` counts problems past a cap too (a line "... N more problems" stands for the rest)
+        self.total = total if total is not None else sum(not p.endswith(" more problems") for p in self.problems)
         super().__init__("\n".join(self.problems))
 
 
@@ -30,6 +32,6 @@ def user_errors(summary: str | None = None) -> Iterator[None]:
         yield
     except ReprotuneError as err:
         print("\n".join(err.problems), file=sys.stderr)
-        if summary and len(err.problems) > 1:
-            print(summary.format(count=len(err.problems)), file=sys.stderr)
+        if summary:
+            print(summary.format(count=err.total), file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -19,6 +19,7 @@ with the file itself), so a user fixes a file in one pass.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,28 +28,35 @@ from typing import Any
 from reprotune.errors import ReprotuneError
 
 FORMATS = ("chat", "chat_json", "sharegpt", "alpaca", "prompt_completion")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-# Optional keys each record format tolerates besides its required ones ("id" and "metadata" are carried
-# by many exporters and are dropped here: train/eval read only the messages).
+                  "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool"}
+# Keys each record format needs, and the optional ones it uses; any other key is an extra key, dropped and
+# counted (data.extra_keys=drop) or reported (data.extra_keys=error). "id"/"metadata" are carried by many
+# exporters and dropped quietly: train/eval read only the messages (and tools).
 RECORD_KEYS: dict[str, tuple[set[str], set[str]]] = {  # format -> (required, optional)
-    "chat": ({"messages"}, {"id", "metadata"}),
-    "sharegpt": ({"conversations"}, {"id", "metadata", "system"}),
-    "alpaca": ({"instruction", "output"}, {"input", "system", "id", "metadata"}),
-    "prompt_completion": ({"prompt", "completion"}, {"system", "id", "metadata"}),
+    "chat": ({"messages"}, {"tools"}),
+    "sharegpt": ({"conversations"}, {"system", "tools"}),
+    "alpaca": ({"instruction", "output"}, {"input", "system"}),
+    "prompt_completion": ({"prompt", "completion"}, {"system", "tools"}),
 }
+QUIET_KEYS = {"id", "metadata"}
+# per-message keys of OpenAI's chat format that we keep (everything else in a message is an extra key)
+MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name", "weight"}
 SUFFIXES = (".jsonl", ".json")
 MAX_PROBLEMS_PER_FILE = 50
+EXTRA_KEYS = ("drop", "error")
+ON_INVALID = ("error", "skip")
 
 
 @dataclass
 class Record:
     """One canonical example and where it came from (for error messages and the report)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     file: str
     line: int
+    tools: list[dict] | None = None
 
 
 @dataclass
@@ -58,23 +66,37 @@ class FileResult:
     format: str | None
     records: list[Record] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    total_problems: int = 0
+    extra_keys: Counter = field(default_factory=Counter)  # key (messages[].key for per-message keys) -> count
+    rejected: list[dict] = field(default_factory=list)  # data.on_invalid=skip: {file, line, reason}
+
+
+@dataclass
+class _Problem:
+    line: int
+    fld: str
+    what: str
+    record: bool  # about one record (skippable with data.on_invalid=skip), not the whole file
 
 
 class _Problems:
-    """Collects problems for one file, capped so a wholly wrong file does not print 100k lines."""
+    """Collects problems for one file; printing is capped so a wholly wrong file does not print 100k lines,
+    the total is not."""
 
     def __init__(self, path: str):
-        self.path, self.items, self.dropped = path, [], 0
+        self.path, self.all = path, []
 
-    def add(self, line: int, fld: str, what: str) -> None:
-        if len(self.items) < MAX_PROBLEMS_PER_FILE:
-            self.items.append(f"{self.path}:{line}: {fld}: {what}")
-        else:
-            self.dropped += 1
+    def add(self, line: int, fld: str, what: str, record: bool = True) -> None:
+        self.all.append(_Problem(line, fld, what, record))
 
-    def lines(self) -> list[str]:
-        more = [f"{self.path}: ... and {self.dropped} more problems"] if self.dropped else []
-        return self.items + more
+    def render(self, items: list[_Problem]) -> list[str]:
+        lines = [f"{self.path}:{p.line}: {p.fld}: {p.what}" for p in items[:MAX_PROBLEMS_PER_FILE]]
+        more = len(items) - len(lines)
+        return lines + ([f"{self.path}: ... and {more} more problems"] if more else [])
+
+    @property
+    def items(self) -> list[_Problem]:
+        return self.all
 
 
 def list_input_files(path: Path) -> list[Path]:
@@ -108,7 +130,7 @@ def _decode(path: Path, problems: _Problems) -> str | None:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
                 problems.add(number, "encoding", f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column "
-                                                 f"{err.start + 1}); save the file as UTF-8")
+                                                 f"{err.start + 1}); save the file as UTF-8", record=False)
         return None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
@@ -128,10 +150,10 @@ def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]
     try:
         document = json.loads(text)
     except json.JSONDecodeError as err:
-        problems.add(err.lineno, "json", f"invalid JSON: {err.msg} at column {err.colno}")
+        problems.add(err.lineno, "json", f"invalid JSON: {err.msg} at column {err.colno}", record=False)
         return
     if not isinstance(document, list):
-        problems.add(1, "(top level)", f"expected a JSON array of examples, got {_type_name(document)}")
+        problems.add(1, "(top level)", f"expected a JSON array of examples, got {_type_name(document)}", record=False)
         return
     decoder, pos = json.JSONDecoder(), text.index("[") + 1
     for element in document:  # re-scan only to learn each element's line number
@@ -156,156 +178,343 @@ def detect_record_format(record: Any) -> str | None:
     return None
 
 
-def _check_keys(record: dict, fmt: str, line: int, problems: _Problems) -> tuple[bool, bool]:
-    """(all required keys present, no unknown keys); both are reported."""
+@dataclass
+class _Reader:
+    """What converting one file needs besides the record: where problems go and the extra-keys policy."""
+
+    problems: _Problems
+    extra_keys: str = "drop"
+    extra: Counter = field(default_factory=Counter)
+
+    def add(self, line: int, fld: str, what: str) -> None:
+        self.problems.add(line, fld, what)
+
+    def unknown_key(self, line: int, where: str, counted_as: str, allowed: set[str]) -> bool:
+        """An extra key: counted and dropped (True), or a problem with data.extra_keys=error (False)."""
+        if self.extra_keys == "error":
+            self.add(line, where, f"unknown key (allowed: {', '.join(sorted(allowed))}; data.extra_keys=drop "
+                                  f"drops unknown keys)")
+            return False
+        self.extra[counted_as] += 1
+        return True
+
+
+def _check_keys(record: dict, fmt: str, line: int, reader: _Reader) -> bool:
+    """All required keys present (missing ones reported); unknown ones counted or reported."""
     required, optional = RECORD_KEYS[fmt]
     missing = sorted(required - record.keys())
-    unknown = sorted(record.keys() - required - optional)
     for key in missing:
-        problems.add(line, key, f"missing (required in {fmt} records: {', '.join(sorted(required))})")
-    for key in unknown:
-        problems.add(line, key, f"unknown key for a {fmt} record (allowed: {', '.join(sorted(required | optional))})")
-    return not missing, not unknown
+        reader.add(line, key, f"missing (required in {fmt} records: {', '.join(sorted(required))})")
+    known = all([reader.unknown_key(line, key, key, required | optional | QUIET_KEYS)
+                 for key in sorted(record.keys() - required - optional - QUIET_KEYS)])
+    return not missing and known
 
 
-def _check_text(value: Any, line: int, fld: str, problems: _Problems, allow_empty: bool = False) -> bool:
+def _text(value: Any, line: int, fld: str, reader: _Reader, allow_empty: bool = False) -> str | None:
+    """A message's text: a string, or OpenAI's list of text parts (joined); None (reported) otherwise."""
+    if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text"
+                                                 and isinstance(p.get("text"), str) for p in value):
+        value = "".join(p["text"] for p in value)
+    if isinstance(value, list):
+        reader.add(line, fld, 'must be a string or a list of {"type": "text", "text": ...} parts, got an array '
+                              'with other parts')
+        return None
     if not isinstance(value, str):
-        problems.add(line, fld, f"must be a string, got {_type_name(value)}")
-        return False
+        reader.add(line, fld, f"must be a string, got {_type_name(value)}")
+        return None
     if not allow_empty and not value.strip():
-        problems.add(line, fld, "is empty")
-        return False
-    return True
+        reader.add(line, fld, "is empty")
+        return None
+    return value
 
 
-def check_conversation(messages: list[dict[str, str]], line: int, fld: str, problems: _Problems,
-                       role_names: dict[str, str] | None = None) -> bool:
-    """Role order: optional system first, then user/assistant alternating, ending with assistant."""
-    def shown(role: str) -> str:  # name roles as the user's file does (human/gpt for ShareGPT)
-        return role_names.get(role, role) if role_names else role
-
-    ok = True
-    expected = "user"
-    for i, msg in enumerate(messages):
-        role = msg["role"]
-        if role == "system":
-            if i != 0:
-                problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown('system')} is only allowed as the first turn")
-                ok = False
-            continue
-        if role != expected:
-            previous = shown(messages[i - 1]["role"]) if i else "the start"
-            problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown(role)} after {previous} "
-                                              f"(expected {shown(expected)})")
-            return False
-        expected = "assistant" if role == "user" else "user"
-    if not any(m["role"] == "assistant" for m in messages):
-        problems.add(line, fld, f"no {shown('assistant')} turn (nothing for the model to learn)")
-        return False
-    if messages[-1]["role"] != "assistant":
-        problems.add(line, fld, f"conversation must end with an {shown('assistant')} turn (last is {shown(messages[-1]['role'])})")
-        return False
-    return ok
+def _json_value(value: Any, line: int, fld: str, reader: _Reader) -> Any:
+    """Tool schemas and call arguments arrive as JSON objects or as JSON text (ShareGPT, OpenAI arguments)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        reader.add(line, fld, f"invalid JSON text: {err.msg} at column {err.colno}")
+        return _INVALID
 
 
-def _turns(record: dict, line: int, problems: _Problems, list_key: str, role_key: str, content_key: str,
-           role_map: dict[str, str]) -> list[dict[str, str]] | None:
-    turns = record[list_key]
+_INVALID = object()
+
+
+def _tool_calls(value: Any, line: int, fld: str, reader: _Reader) -> list[dict] | None:
+    """Canonical calls: {"type": "function", "function": {"name", "arguments": JSON text}} (+ "id").
+
+    Arguments are kept as JSON text (OpenAI's own form): as objects, a dataset of calls to different tools
+    would be widened by Arrow to the union of every tool's argument names, each filled with null.
+    """
+    value = _json_value(value, line, fld, reader)
+    if value is _INVALID:
+        return None
+    if isinstance(value, dict):
+        value = [value]  # ShareGPT's function_call holds one call
+    if not isinstance(value, list) or not value:
+        reader.add(line, fld, f"must be a non-empty array of tool calls, got {_type_name(value)}")
+        return None
+    calls = []
+    for i, call in enumerate(value):
+        where = f"{fld}[{i}]"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            reader.add(line, where, "must be an object with function.name (or name) and arguments")
+            return None
+        arguments = _json_value(function.get("arguments", {}), line, f"{where}.arguments", reader)
+        if arguments is _INVALID:
+            return None
+        if not isinstance(arguments, dict):
+            reader.add(line, f"{where}.arguments", f"must be a JSON object, got {_type_name(arguments)}")
+            return None
+        canonical = {"type": "function",
+                     "function": {"name": function["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        if isinstance(call.get("id"), str):
+            canonical["id"] = call["id"]
+        calls.append(canonical)
+    return calls
+
+
+def _tools(value: Any, line: int, reader: _Reader) -> list[dict] | None | object:
+    """Canonical tool list [{"type": "function", "function": schema}]; None for none, _INVALID if wrong."""
+    value = _json_value(value, line, "tools", reader)
+    if value is _INVALID:
+        return _INVALID
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        reader.add(line, "tools", f"must be an array of tool definitions, got {_type_name(value)}")
+        return _INVALID
+    out = []
+    for i, tool in enumerate(value):
+        schema = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str) or not schema["name"]:
+            reader.add(line, f"tools[{i}]", "must be an object with function.name (or name)")
+            return _INVALID
+        out.append({"type": "function", "function": schema})
+    return out
+
+
+def _message(turn: dict, role: str, content: Any, line: int, where: str, content_key: str,
+             reader: _Reader) -> dict | None:
+    """One canonical message from a turn whose role is known."""
+    has_calls = role == "assistant" and turn.get("tool_calls") is not None
+    text = "" if has_calls and content is None else _text(content, line, f"{where}.{content_key}", reader,
+                                                            allow_empty=has_calls or role == "tool")
+    if text is None:
+        return None
+    message: dict[str, Any] = {"role": role, "content": text}
+    if turn.get("tool_calls") is not None:
+        if role != "assistant":
+            reader.add(line, f"{where}.tool_calls", f"only assistant messages call tools (this one is {role})")
+            return None
+        calls = _tool_calls(turn["tool_calls"], line, f"{where}.tool_calls", reader)
+        if calls is None:
+            return None
+        message["tool_calls"] = calls
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(turn.get(key), str):
+                message[key] = turn[key]
+    if "weight" in turn:
+        if turn["weight"] not in (0, 1) or isinstance(turn["weight"], bool) or role != "assistant":
+            reader.add(line, f"{where}.weight", "must be 0 or 1, on an assistant message (0: not learned from)")
+            return None
+        if turn["weight"] == 0:
+            message["weight"] = 0
+    return message
+
+
+def _parse_turns(turns: Any, line: int, reader: _Reader, list_key: str, role_key: str, content_key: str,
+                 role_map: dict[str, str], allowed: set[str]) -> list[dict] | None:
+    """Turns as canonical messages (order not checked yet); every problem of every turn is reported."""
     if not isinstance(turns, list):
-        problems.add(line, list_key, f"must be an array of turns, got {_type_name(turns)}")
+        reader.add(line, list_key, f"must be an array of turns, got {_type_name(turns)}")
         return None
     if not turns:
-        problems.add(line, list_key, "is empty")
+        reader.add(line, list_key, "is empty")
         return None
     out, ok = [], True
     for i, turn in enumerate(turns):
         where = f"{list_key}[{i}]"
         if not isinstance(turn, dict):
-            problems.add(line, where, f"must be an object with {role_key} and {content_key}, got {_type_name(turn)}")
+            reader.add(line, where, f"must be an object with {role_key} and {content_key}, got {_type_name(turn)}")
             ok = False
             continue
         for key in sorted({role_key, content_key} - turn.keys()):
-            problems.add(line, f"{where}.{key}", "missing")
-            ok = False
-        for key in sorted(turn.keys() - {role_key, content_key}):
-            problems.add(line, f"{where}.{key}", f"unknown key (allowed: {role_key}, {content_key})")
-            ok = False
-        if role_key not in turn or content_key not in turn:
+            if not (key == content_key and turn.get("tool_calls") is not None):  # content may be absent on calls
+                reader.add(line, f"{where}.{key}", "missing")
+                ok = False
+        for key in sorted(turn.keys() - allowed):
+            ok = reader.unknown_key(line, f"{where}.{key}", f"{list_key}[].{key}", allowed) and ok
+        if role_key not in turn or (content_key not in turn and turn.get("tool_calls") is None):
             continue
         role = turn[role_key]
         if role not in role_map:
-            problems.add(line, f"{where}.{role_key}", f"unknown role {json.dumps(role)} "
-                                                      f"(expected {', '.join(sorted(set(role_map)))})")
+            reader.add(line, f"{where}.{role_key}", f"unknown role {json.dumps(role)} "
+                                                    f"(expected {', '.join(sorted(set(role_map)))})")
             ok = False
             continue
-        if not _check_text(turn[content_key], line, f"{where}.{content_key}", problems):
+        if role == "function_call":  # ShareGPT tool-calling layout: the call is the assistant's turn
+            message = _message({"tool_calls": turn[content_key]}, "assistant", "", line, where, content_key, reader)
+        else:
+            message = _message(turn, role_map[role], turn.get(content_key), line, where, content_key, reader)
+        if message is None:
             ok = False
             continue
-        out.append({"role": role_map[role], "content": turn[content_key]})
-    if not ok:
+        out.append(message)
+    return out if ok else None
+
+
+def check_conversation(messages: list[dict[str, Any]], line: int, fld: str, problems: _Problems | _Reader,
+                       role_names: dict[str, str] | None = None) -> bool:
+    """Role order: optional system first; user, then assistant; an assistant turn that calls tools is
+    followed by tool results, and those by the assistant again; the conversation ends with the assistant."""
+    def shown(message: dict | None) -> str:  # name roles as the user's file does (human/gpt for ShareGPT)
+        if message is None:
+            return "the start"
+        role = "function_call" if role_names and message.get("tool_calls") else message["role"]
+        return role_names.get(role, role) if role_names else role
+
+    def expected_after(message: dict | None) -> tuple[str, ...]:
+        if message is None or message["role"] == "system":
+            return ("user",)
+        if message["role"] == "user":
+            return ("assistant",)
+        if message["role"] == "tool":
+            return ("tool", "assistant")
+        return ("tool",) if message.get("tool_calls") else ("user",)
+
+    previous = None
+    for i, msg in enumerate(messages):
+        if msg["role"] == "system" and i != 0:
+            problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown(msg)} is only allowed as the first turn")
+            return False
+        if i == 0 and msg["role"] == "system":
+            previous = msg
+            continue
+        expected = expected_after(previous)
+        if msg["role"] not in expected:
+            names = " or ".join(shown({"role": r}) for r in expected)
+            problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown(msg)} after {shown(previous)} "
+                                              f"(expected {names})")
+            return False
+        previous = msg
+    if not any(m["role"] == "assistant" for m in messages):
+        problems.add(line, fld, f"no {shown({'role': 'assistant'})} turn (nothing for the model to learn)")
+        return False
+    if messages[-1]["role"] != "assistant":
+        problems.add(line, fld, f"conversation must end with an {shown({'role': 'assistant'})} turn "
+                                f"(last is {shown(messages[-1])})")
+        return False
+    return True
+
+
+def _chat(record: dict, line: int, reader: _Reader) -> list[dict] | None:
+    messages = _parse_turns(record["messages"], line, reader, "messages", "role", "content",
+                            {r: r for r in ROLES}, MESSAGE_KEYS)
+    return messages if messages is not None and check_conversation(messages, line, "messages", reader) else None
+
+
+def _sharegpt(record: dict, line: int, reader: _Reader) -> list[dict] | None:
+    messages = _parse_turns(record["conversations"], line, reader, "conversations", "from", "value",
+                            SHAREGPT_ROLES, {"from", "value"})
+    if messages is None:
         return None
-    names = {v: k for k, v in role_map.items() if k not in ("user", "assistant")} if list_key == "conversations" else None
-    return out if check_conversation(out, line, list_key, problems, names) else None
+    if "system" in record:
+        system = _text(record["system"], line, "system", reader)
+        if system is None:
+            return None
+        if messages[0]["role"] == "system":
+            reader.add(line, "system", "given both as a key and as the first turn")
+            return None
+        messages = [{"role": "system", "content": system}, *messages]
+    names = {"user": "human", "assistant": "gpt", "tool": "observation", "function_call": "function_call"}
+    return messages if check_conversation(messages, line, "conversations", reader, names) else None
 
 
-def _pair(record: dict, line: int, problems: _Problems, prompt_keys: tuple[str, ...], answer_key: str) -> list | None:
-    ok = True
-    for key in (*prompt_keys, answer_key, "system"):
-        if key in record and not _check_text(record[key], line, key, problems,
-                                             allow_empty=(key == "input")):
-            ok = False
-    if not ok:
+def _pair(record: dict, line: int, reader: _Reader, prompt_keys: tuple[str, ...], answer_key: str) -> list | None:
+    texts = {key: _text(record[key], line, key, reader, allow_empty=(key == "input"))
+             for key in (*prompt_keys, answer_key, "system") if key in record}
+    if any(v is None for v in texts.values()):
         return None
-    prompt = "\n\n".join(record[k] for k in prompt_keys if record.get(k, "").strip())
-    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-    return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": record[answer_key]}]
+    prompt = "\n\n".join(texts[k] for k in prompt_keys if texts.get(k, "").strip())
+    messages = [{"role": "system", "content": texts["system"]}] if texts.get("system") else []
+    return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": texts[answer_key]}]
 
 
-def to_messages(record: dict, fmt: str, line: int, problems: _Problems) -> list[dict[str, str]] | None:
-    """Validate one record of a known format and convert it to canonical messages (None if invalid)."""
-    complete, known = _check_keys(record, fmt, line, problems)
-    if not complete:
+def _prompt_completion(record: dict, line: int, reader: _Reader) -> list[dict] | None:
+    """Plain (strings) or conversational (TRL's layout: message lists); the loss covers the completion only,
+    so assistant turns inside a conversational prompt get weight 0."""
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return _pair(record, line, reader, ("prompt",), "completion")
+    parts = []
+    for key, value, default_role in (("prompt", prompt, "user"), ("completion", completion, "assistant")):
+        if isinstance(value, list):
+            parts.append(_parse_turns(value, line, reader, key, "role", "content", {r: r for r in ROLES},
+                                      MESSAGE_KEYS))
+        else:
+            text = _text(value, line, key, reader)
+            parts.append(None if text is None else [{"role": default_role, "content": text}])
+    system = _text(record["system"], line, "system", reader) if "system" in record else ""
+    if None in parts or system is None:
         return None
-    messages = _convert(record, fmt, line, problems)  # still checked with unknown keys: report everything
-    return messages if known else None
+    prompt_messages = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in parts[0]]
+    if any(m["role"] not in ("assistant", "tool") for m in parts[1]):
+        reader.add(line, "completion", "holds only assistant (and tool) messages: the prompt holds the rest")
+        return None
+    if system and prompt_messages[0]["role"] != "system":
+        prompt_messages.insert(0, {"role": "system", "content": system})
+    messages = prompt_messages + parts[1]
+    return messages if check_conversation(messages, line, "prompt+completion", reader) else None
 
 
-def _convert(record: dict, fmt: str, line: int, problems: _Problems) -> list[dict[str, str]] | None:
-    if fmt == "chat":
-        return _turns(record, line, problems, "messages", "role", "content", {r: r for r in ROLES})
-    if fmt == "sharegpt":
-        messages = _turns(record, line, problems, "conversations", "from", "value", SHAREGPT_ROLES)
-        if messages is not None and "system" in record:
-            if not _check_text(record["system"], line, "system", problems):
-                return None
-            if messages[0]["role"] == "system":
-                problems.add(line, "system", "given both as a key and as the first turn")
-                return None
-            messages = [{"role": "system", "content": record["system"]}, *messages]
-        return messages
-    if fmt == "alpaca":
-        return _pair(record, line, problems, ("instruction", "input"), "output")
-    return _pair(record, line, problems, ("prompt",), "completion")
+CONVERTERS = {"chat": _chat, "sharegpt": _sharegpt, "prompt_completion": _prompt_completion,
+              "alpaca": lambda record, line, reader: _pair(record, line, reader, ("instruction", "input"), "output")}
 
 
-def read_file(path: Path, forced: str = "auto") -> FileResult:
+def to_record(record: dict, fmt: str, line: int, path: str, reader: _Reader) -> Record | None:
+    """Validate one record of a known format and convert it (None if invalid; every problem reported)."""
+    complete = _check_keys(record, fmt, line, reader)
+    if not complete and not (RECORD_KEYS[fmt][0] <= record.keys()):
+        return None
+    messages = CONVERTERS[fmt](record, line, reader)  # still checked with unknown keys: report everything
+    tools = _tools(record["tools"], line, reader) if "tools" in record else None
+    if messages is None or tools is _INVALID or not complete:
+        return None
+    if not tools and any(m.get("tool_calls") for m in messages):
+        tools = None  # calls without a tool list are still rendered; the template may then skip the schema
+    return Record(messages=messages, file=path, line=line, tools=tools)
+
+
+def _mismatch_line(forced: str, fmt: str, count: int, total: int, first: int, keys: list[str]) -> tuple[int, str, str]:
+    return (first, "data.format",
+            f"{forced} was forced, but {count} of {total} records look like {fmt} records (keys: {', '.join(keys)}); "
+            f"set data.format={fmt} or data.format=auto")
+
+
+def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_invalid: str = "error") -> FileResult:
     """Read, validate and convert one file; problems are collected in the result, never raised."""
     problems = _Problems(str(path))
+    reader = _Reader(problems, extra_keys)
     text = _decode(path, problems)
     stripped = (text or "").lstrip()
     container = "json_array" if stripped.startswith("[") or forced == "chat_json" else "jsonl"
     result = FileResult(path=str(path), container=container, format=None if forced == "auto" else forced)
     if text is not None and not stripped:
-        problems.add(1, "file", "empty file (no examples)")
+        problems.add(1, "file", "empty file (no examples)", record=False)
     if text is None or not stripped:
-        result.problems = problems.lines()
-        return result
+        return _finish(result, problems, reader, on_invalid)
     if forced == "chat_json" and not stripped.startswith("["):
-        problems.add(1, "(top level)", "data.format=chat_json expects a JSON array of examples")
-        result.problems = problems.lines()
-        return result
+        problems.add(1, "(top level)", "data.format=chat_json expects a JSON array of examples", record=False)
+        return _finish(result, problems, reader, on_invalid)
     record_format = {"auto": None, "chat_json": "chat"}.get(forced, forced)
     first_line_of_format = 0
+    mismatched: Counter = Counter()
+    first_mismatch: dict[str, tuple[int, list[str]]] = {}
     rows = _iter_json_array(text, problems) if container == "json_array" else _iter_jsonl(text, problems)
     n_rows = 0
     for line, record in rows:
@@ -321,27 +530,53 @@ def read_file(path: Path, forced: str = "auto") -> FileResult:
         if record_format is None:
             record_format, first_line_of_format = fmt, line
         elif fmt != record_format:
-            origin = f"line {first_line_of_format}" if first_line_of_format else f"data.format={forced}"
-            problems.add(line, "(keys)", f"mixed formats in one file: this record is {fmt}, but {origin} "
-                                         f"made the file {record_format}")
+            if not first_line_of_format:  # forced: said once for the file, below
+                mismatched[fmt] += 1
+                first_mismatch.setdefault(fmt, (line, sorted(record)))
+                continue
+            problems.add(line, "(keys)", f"mixed formats in one file: this record is {fmt}, but line "
+                                         f"{first_line_of_format} made the file {record_format}")
             continue
-        messages = to_messages(record, fmt, line, problems)
-        if messages is not None:
-            result.records.append(Record(messages=messages, file=str(path), line=line))
-    if n_rows == 0 and not problems.items:
-        problems.add(1, "file", "empty file (no examples)")
+        converted = to_record(record, fmt, line, str(path), reader)
+        if converted is not None:
+            result.records.append(converted)
+    for fmt, count in mismatched.most_common():
+        first, keys = first_mismatch[fmt]
+        problems.add(*_mismatch_line(forced, fmt, count, n_rows, first, keys), record=False)
+    if n_rows == 0 and not problems.all:
+        problems.add(1, "file", "empty file (no examples)", record=False)
     if record_format is not None:
         result.format = "chat_json" if (record_format == "chat" and container == "json_array") else record_format
-    result.problems = problems.lines()
+    return _finish(result, problems, reader, on_invalid)
+
+
+def _finish(result: FileResult, problems: _Problems, reader: _Reader, on_invalid: str) -> FileResult:
+    """Problems become errors, or (data.on_invalid=skip) record problems become rejected records."""
+    fatal = [p for p in problems.all if not (on_invalid == "skip" and p.record)]
+    if on_invalid == "skip":
+        reasons: dict[int, list[str]] = {}
+        for p in problems.all:
+            if p.record:
+                reasons.setdefault(p.line, []).append(f"{p.fld}: {p.what}")
+        result.rejected = [{"file": result.path, "line": line, "reason": "; ".join(r)}
+                           for line, r in sorted(reasons.items())]
+    result.problems = problems.render(sorted(fatal, key=lambda p: p.line) if on_invalid == "skip" else fatal)
+    result.total_problems = len(fatal)
+    result.extra_keys = reader.extra
     return result
 
 
-def read_dataset(path: Path, forced: str = "auto") -> list[FileResult]:
+def read_dataset(path: Path, forced: str = "auto", extra_keys: str = "drop",
+                 on_invalid: str = "error") -> list[FileResult]:
     """Every file under data.path, read and validated; raises ReprotuneError with all problems of all files."""
     if forced not in ("auto", *FORMATS):
         raise ReprotuneError([f"{path}:0: data.format: unknown format {forced!r} (auto, {', '.join(FORMATS)})"])
-    results = [read_file(p, forced) for p in list_input_files(path)]
+    if extra_keys not in EXTRA_KEYS:
+        raise ReprotuneError([f"{path}:0: data.extra_keys: unknown policy {extra_keys!r} ({', '.join(EXTRA_KEYS)})"])
+    if on_invalid not in ON_INVALID:
+        raise ReprotuneError([f"{path}:0: data.on_invalid: unknown policy {on_invalid!r} ({', '.join(ON_INVALID)})"])
+    results = [read_file(p, forced, extra_keys, on_invalid) for p in list_input_files(path)]
     problems = [line for r in results for line in r.problems]
     if problems:
-        raise ReprotuneError(problems)
+        raise ReprotuneError(problems, total=sum(r.total_problems for r in results))
     return results

@@ -33,17 +33,22 @@ def iter_jsonl(path: Path, missing_hint: str = "") -> Iterator[tuple[int, Any]]:
                 raise ReprotuneError(f"{path}:{lineno}: json: not valid JSON ({err.msg})") from None
 
 
-def read_conversations(path: Path, missing_hint: str = "") -> list[list[dict[str, Any]]]:
-    """The `messages` list of every line of a prepared JSONL file, in file order; at least one."""
+def read_examples(path: Path, missing_hint: str = "") -> list[dict[str, Any]]:
+    """Every line of a prepared JSONL file (an object with a `messages` list, maybe `tools`), in file order;
+    at least one."""
     rows = []
     for lineno, row in iter_jsonl(path, missing_hint):
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(messages, list):
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             raise ReprotuneError(f"{path}:{lineno}: messages: expected a list of messages")
-        rows.append(messages)
+        rows.append(row)
     if not rows:
         raise ReprotuneError(f"{path}:1: file: holds no examples")
     return rows
+
+
+def read_conversations(path: Path, missing_hint: str = "") -> list[list[dict[str, Any]]]:
+    """The `messages` list of every line of a prepared JSONL file, in file order; at least one."""
+    return [row["messages"] for row in read_examples(path, missing_hint)]
 
 
 def jsonl_text(rows: list[Any], sort_keys: bool = False) -> str:
@@ -118,9 +123,10 @@ def install_dir_once(tmp: Path, final: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- splits
-def content_key(messages: list[dict[str, Any]], ensure_ascii: bool = False) -> str:
-    """sha256 of a conversation: an example's identity for dedup and for which split it lands in."""
-    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=ensure_ascii).encode()).hexdigest()
+def content_key(content: Any, ensure_ascii: bool = False) -> str:
+    """sha256 of an example's content (its messages, and tools where it has them): its identity for dedup and
+    for which split it lands in."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=ensure_ascii).encode()).hexdigest()
 
 
 def key_fraction(key: str) -> float:

