@@ -21,6 +21,10 @@ export PYTHONHASHSEED := 0
 export PYTHONPATH := $(CURDIR)/src
 
 DATA := data/raw/invoices.jsonl
+# Several processes for make train (torchrun): NPROC on this host (default: every GPU with hardware=gpu), and for
+# several hosts NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (docs/gpu.md)
+NPROC ?=
+export NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 .PHONY: help
 help: ## List the targets
@@ -43,13 +47,17 @@ data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate;
 prepare: data ## Validate, convert, scrub PII, split -> data/prepared/{train,holdout}.jsonl + reports (ARGS="data.path=<file|dir>")
 	$(PY) -m reprotune.prepare $(ARGS)
 
+.PHONY: plan
+plan: venv ## Memory, time and cost of 'make train ARGS=...' before renting a GPU -> outputs/plan.json (no weights loaded)
+	$(PY) -m reprotune.plan $(ARGS)
+
 .PHONY: pii-review
 pii-review: venv ## Print a sample of PII replacements in context, terminal only (ARGS="data.path=<file|dir>")
 	$(PY) -m reprotune.pii_review $(ARGS)
 
 .PHONY: train
-train: prepare ## Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
-	$(PY) -m reprotune.train $(ARGS)
+train: prepare ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
+	$(PY) -m reprotune.distributed $(ARGS)
 
 .PHONY: test
 test: venv data ## The fast lane (<= 5 min on 2 cores): unit + fast integration tests; no llama.cpp build, no image

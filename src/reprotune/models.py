@@ -172,7 +172,7 @@ def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_impl
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from reprotune.config import quantization
-    from reprotune.runtime import attention_implementation
+    from reprotune.runtime import attention_implementation, local_rank
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
                               "trust_remote_code": cfg.model.trust_remote_code}
@@ -183,7 +183,7 @@ def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_impl
     if quant:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             **quant, bnb_4bit_compute_dtype=getattr(torch, dtype), bnb_4bit_quant_storage=getattr(torch, dtype))
-        kwargs["device_map"] = {"": 0} if device == "cuda" else {"": "cpu"}
+        kwargs["device_map"] = {"": local_rank()} if device == "cuda" else {"": "cpu"}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     # Never run an eval-mode forward (generate) here on a 4-bit model: on CPU it repacks the weights and the
     # following training silently gets wrong gradients.

@@ -49,6 +49,11 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
     set_seed(int(cfg.seed), deterministic=cfg.repro == "strict")
 
 
+def local_rank() -> int:
+    """This process's GPU on its host, as torchrun sets it (0 for a single process)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def attention_implementation(cfg: DictConfig) -> str | None:
     """repro=strict: eager attention (fused kernels' backward is not deterministic); else the library's choice."""
     return "eager" if cfg.repro == "strict" else None

@@ -25,7 +25,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune import speed
+from reprotune import distributed, speed
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
@@ -76,7 +76,8 @@ def lora_config(cfg: DictConfig):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath):
+def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath,
+               world_size: int = 1):
     """trl.SFTConfig from the train group as it is, plus the settings reprotune's guarantees rest on, which
     win over the group: where checkpoints go and how they rotate, seeds, precision from hardware, the
     validation split, nothing sent anywhere unless train.report_to asks, and the speed settings fitted by
@@ -84,13 +85,15 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
     from trl import SFTConfig
 
     keys = library_keys(cfg.train, TRAIN_OWN)
+    accum, _ = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
+                                        world_size)
     eval_steps = keys.get("eval_steps") if keys.get("eval_steps") and has_val else None
     report_to = keys.get("report_to")
     keys.update(
         output_dir=cfg.paths.checkpoints,
         per_device_train_batch_size=fast.per_device_train_batch_size,
         per_device_eval_batch_size=fast.per_device_train_batch_size,
-        gradient_accumulation_steps=fast.gradient_accumulation_steps,
+        gradient_accumulation_steps=accum,
         packing=fast.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
         use_liger_kernel=fast.liger,
@@ -113,6 +116,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)
         include_num_input_tokens_seen="all" if fast.packing else "non_padding",
         disable_tqdm=False,
+        **distributed.trainer_arguments(cfg, world_size),
     )
     return SFTConfig(**keys)
 
@@ -195,6 +199,7 @@ def sealing_trainer_class():
 
         def _save_checkpoint(self, model, trial) -> None:
             super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every rank has written its RNG state before rank 0 seals
             if not self.args.should_save:
                 return
             ckpt_root = Path(self.args.output_dir)
@@ -206,19 +211,22 @@ def sealing_trainer_class():
     return SealedCheckpointTrainer
 
 
-def checkpoint_to_resume(cfg: DictConfig, fingerprint: str) -> str | None:
-    """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed)."""
+def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True) -> str | None:
+    """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed, by the
+    process that may modify the folder: rank 0 when several train together)."""
     ckpt_root = Path(cfg.paths.checkpoints)
     stamp = ckpt_root / "reprotune-run.json"
     if cfg.train.run.resume == "never" or not ckpt_root.is_dir():
-        shutil.rmtree(ckpt_root, ignore_errors=True)
+        if modify:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
         return None
     recorded = json.loads(stamp.read_text()).get("fingerprint") if stamp.is_file() else None
     if recorded != fingerprint:
         log.info("discarding checkpoints of a different configuration in %s", ckpt_root)
-        shutil.rmtree(ckpt_root, ignore_errors=True)
+        if modify:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
         return None
-    good = good_checkpoints(ckpt_root)
+    good = good_checkpoints(ckpt_root, remove_torn=modify)
     if good:
         log.info("resuming from %s", good[-1])
         return str(good[-1])
@@ -236,7 +244,9 @@ def choose_fast_path(cfg: DictConfig, device: str, model_dir: str) -> speed.Fast
                                                   trust_remote_code=cfg.model.trust_remote_code)
         free, _ = torch.cuda.mem_get_info()
         liger = speed.choose(cfg, device).liger
-        fitted = speed.fit_micro_batch(cfg, model_config, speed.memory_budget(cfg, free), liger)
+        from reprotune import plan  # make plan's memory model; speed's rule when the plan has no architecture
+        fitted = (plan.preflight(cfg, device, speed.memory_budget(cfg, free))
+                  or speed.fit_micro_batch(cfg, model_config, speed.memory_budget(cfg, free), liger))
     return speed.choose(cfg, device, fitted)
 
 
@@ -327,12 +337,13 @@ def canonicalise_adapter_config(adapter_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None) -> Path:
+def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None,
+                 state_dict: dict | None = None) -> Path:
     """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
     final = Path(cfg.paths.adapter)
     tmp = tmp_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(tmp)
+    trainer.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
     canonicalise_adapter_config(tmp)
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
@@ -357,7 +368,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     set_reproducibility(cfg, device)
-    log.info("device=%s dtype=%s method=%s model=%s", device, dtype, cfg.method.name, cfg.model.name)
+    world = distributed.world()
+    distributed.init_process_group(device)
+    log.info("device=%s dtype=%s method=%s model=%s processes=%d", device, dtype, cfg.method.name, cfg.model.name,
+             world.size)
 
     train_file = Path(cfg.paths.prepared) / "train.jsonl"
     rows = read_messages(train_file)
@@ -365,7 +379,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.train.eval_steps:
         rows, val_rows = split_validation(rows, float(cfg.train.run.val_fraction))
 
-    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    with distributed.main_process_first():
+        model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg.model)
     original_template = tokenizer.chat_template
     fast = choose_fast_path(cfg, device, model_dir)
@@ -373,9 +388,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = load_base_model(model_dir, cfg, device, dtype, fast.attn_implementation)
 
     fingerprint = config_fingerprint(cfg)
-    resume_from = checkpoint_to_resume(cfg, fingerprint)
-    Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
-    mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
+    with distributed.main_process_first():
+        resume_from = checkpoint_to_resume(cfg, fingerprint, modify=world.is_main)
+        if world.is_main:
+            Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
+            mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
+    _, batch_line = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
+                                             world.size)
+    log.info("%s; strategy %s", batch_line, distributed.strategy(cfg, world.size))
 
     profile = [int(x) for x in cfg.hardware.profile_steps] if cfg.hardware.get("profile_steps") else None
     timer = speed.step_timer_callback(stop_before=profile[0] if profile else None)
@@ -385,7 +405,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(speed.profiler_callback((first, last), str(Path(cfg.paths.train_dir) / "profile.txt")))
     trainer = sealing_trainer_class()(
         model=model,
-        args=sft_config(cfg, device, dtype, bool(val_rows), fast),
+        args=sft_config(cfg, device, dtype, bool(val_rows), fast, world.size),
         callbacks=callbacks,
         train_dataset=Dataset.from_list(rows),
         eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
@@ -416,6 +436,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"):
         trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
+    # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
+    state_dict = (trainer.accelerator.get_state_dict(trainer.model)
+                  if distributed.strategy(cfg, world.size) == "fsdp2" else None)
+    if not world.is_main:
+        distributed.barrier()
+        return {}
 
     curves = loss_curves(trainer.state.log_history)
     tokens_seen = int(trainer.state.num_input_tokens_seen)
@@ -437,7 +463,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     }
     out_dir = Path(cfg.paths.train_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template)
+    adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template, state_dict)
     mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: no timings in here
     plot_loss(curves, out_dir / "loss.png")
 
@@ -472,6 +498,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
                    if device == "cuda" else None},
         "fast_path": fast.as_record(),
+        "distributed": {"world_size": world.size, "nnodes": int(os.environ.get("NNODES", 1)),
+                        "strategy": distributed.strategy(cfg, world.size), "global_batch": batch_line},
     })
     mf.write_json(out_dir / "manifest.json", record)
     if not cfg.train.run.keep_checkpoints:
@@ -479,6 +507,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("adapter %s (sha256 %s), final loss %.4f, %.1f tokens/s", adapter_dir,
              record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"],
              record["timing"]["tokens_per_second"] or 0)
+    distributed.barrier()  # the other ranks wait for the outputs
     return record
 
 

@@ -1,0 +1,710 @@
+"""Plan stage: memory, time and cost of a training run before renting the GPU; the preflight of `make train`.
+
+    python -m reprotune.plan [hydra overrides]        # == make plan ARGS="<the same overrides as make train>"
+
+Reads  the composed config, conf/plan/{memory,throughput,prices}.yaml, data/prepared/{report.json,train.jsonl}.
+Writes outputs/plan.json and prints the same: parameters, predicted peak GPU memory by part, a fit table for
+24/40/48/80/141 GB cards, steps, time per epoch and cost per provider, and warnings.
+
+No weights are loaded and neither torch nor transformers is imported: shapes come from the model preset
+(`architecture`, or `random_init`) or from a local model directory's config.json. The memory model counts what
+autograd keeps per token and layer (constants in conf/plan/memory.yaml, checked against GPU measurements in
+conf/plan/calibration.json by tests/test_plan.py; docs/plan.md explains it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import hydra
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune.config import CONF_DIR, quantization
+
+log = logging.getLogger("reprotune.plan")
+
+GIB = 2**30
+PLAN_DIR = CONF_DIR / "plan"
+# The SmolLM2 tokenizer that random_init presets take from the built-in model (len(tokenizer))
+BUILTIN_TOKENIZER_VOCAB = 49152
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class PlanError(ValueError):
+    """The configuration cannot be planned (e.g. a hub model without a known architecture)."""
+
+
+def load_table(name: str) -> dict[str, Any]:
+    return yaml.safe_load((PLAN_DIR / name).read_text())
+
+
+# ------------------------------------------------------------------------------------------------ model
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    source: str
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def module_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear module of a decoder layer."""
+        h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def shape_from_config(conf: dict[str, Any], source: str) -> Shape:
+    """From a config.json-like mapping (Llama/Qwen/Mistral keys)."""
+    conf = conf.get("text_config", conf)
+    try:
+        hidden, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
+        return Shape(hidden=hidden, intermediate=int(conf["intermediate_size"]),
+                     layers=int(conf["num_hidden_layers"]), heads=heads,
+                     kv_heads=int(conf.get("num_key_value_heads") or heads),
+                     head_dim=int(conf.get("head_dim") or hidden // heads),
+                     vocab=int(conf.get("vocab_size") or BUILTIN_TOKENIZER_VOCAB),
+                     tied=bool(conf.get("tie_word_embeddings", False)), source=source)
+    except KeyError as err:
+        raise PlanError(f"{source}: architecture: missing {err.args[0]}") from None
+
+
+def model_shape(model_cfg: Any) -> Shape:
+    """The shape of the configured model, without loading it."""
+    model = _plain(model_cfg)
+    path = model.get("path")
+    if path and (Path(path) / "config.json").is_file():
+        return shape_from_config(json.loads((Path(path) / "config.json").read_text()), f"{path}/config.json")
+    if model.get("source") == "random_init":
+        spec = dict(model["random_init"])
+        spec.setdefault("tie_word_embeddings", True)  # as reprotune.models.materialise_random_init builds it
+        spec["vocab_size"] = (model.get("architecture") or {}).get("vocab_size", BUILTIN_TOKENIZER_VOCAB)
+        return shape_from_config(spec, f"conf/model/{model['name']}.yaml: random_init")
+    if model.get("architecture"):
+        return shape_from_config(dict(model["architecture"]), f"conf/model/{model['name']}.yaml: architecture")
+    raise PlanError(f"conf/model/{model.get('name')}.yaml: architecture: missing; add the model's config.json numbers "
+                    "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+                    "vocab_size, tie_word_embeddings) or set model.path to a local directory with a config.json")
+
+
+@dataclass(frozen=True)
+class Params:
+    total: int          # base model
+    layer_linear: int   # the decoder layers' linear weights (what NF4 quantises)
+    embeddings: int     # input embedding + untied LM head
+    largest_linear: int
+    trainable: int      # LoRA A/B (+ DoRA magnitudes)
+
+
+def count_params(shape: Shape, targets: list[str], r: int, dora: bool) -> Params:
+    dims = shape.module_dims()
+    per_layer_linear = sum(i * o for i, o in dims.values())
+    norms = 2 * shape.hidden + (2 * shape.head_dim if shape.head_dim != shape.hidden // shape.heads else 0)
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    total = shape.layers * (per_layer_linear + norms) + embeddings + shape.hidden
+    chosen = [m for m in LINEAR_MODULES if m in targets] if targets != ["all-linear"] else list(LINEAR_MODULES)
+    trainable = shape.layers * sum(r * (dims[m][0] + dims[m][1]) + (dims[m][1] if dora else 0) for m in chosen)
+    return Params(total=total, layer_linear=shape.layers * per_layer_linear, embeddings=embeddings,
+                  largest_linear=max(i * o for i, o in dims.values()), trainable=trainable)
+
+
+# ------------------------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class DataShape:
+    examples: int
+    max_tokens: int
+    mean_tokens: float
+    total_tokens: int
+    assistant_share: float    # assistant characters / all message characters (the loss positions)
+    prepared_max_length: int | None
+    tokenizer_model: str | None
+    overlong: int
+    source: str
+
+
+def data_shape_from_prepared(prepared: Path | str) -> dict[str, Any]:
+    """Token lengths (prepare's report, counted with the model's tokenizer and chat template) and the assistant
+    share of the training examples; a dict so bench/plan_calibrate.py can store it next to a measurement."""
+    prepared = Path(prepared)
+    report = json.loads((prepared / "report.json").read_text())
+    train = report["tokens"]["train"]
+    chars = assistant = 0
+    with open(prepared / "train.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                for msg in json.loads(line)["messages"]:
+                    n = len(msg.get("content") or "")
+                    chars += n
+                    assistant += n if msg.get("role") == "assistant" else 0
+    return {"examples": int(train["n"]), "max_tokens": int(train["max"]), "mean_tokens": float(train["mean"]),
+            "total_tokens": int(train["total"]), "assistant_share": round(assistant / chars, 4) if chars else 1.0,
+            "prepared_max_length": report.get("max_length"), "tokenizer_model": report["tokens"].get("model"),
+            "overlong": int(report["examples"]["overlong"]["count"]), "source": str(prepared)}
+
+
+def load_data_shape(cfg: DictConfig) -> DataShape | None:
+    prepared = Path(cfg.paths.prepared)
+    if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
+        return None
+    return DataShape(**data_shape_from_prepared(prepared))
+
+
+# --------------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Settings:
+    method: str
+    load_in_4bit: bool
+    double_quant: bool
+    dora: bool
+    r: int
+    targets: tuple[str, ...]
+    checkpointing: bool
+    packing: bool
+    batch_size: int
+    grad_accum: int
+    max_length: int
+    eager_attention: bool
+    mask_repeats_kv: bool     # SDPA with a mask (and flex attention) repeat K/V to every head
+    dtype_bytes: int
+    liger: bool = False       # Liger's fused RMSNorm/SwiGLU/RoPE
+    input_casts: bool = False  # PEFT's per-adapter input casts (train.py disables them under bf16 autocast)
+
+
+def _auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def settings_from_cfg(cfg: DictConfig, checkpointing: bool | None = None) -> Settings:
+    """The settings `make train` would use on a GPU (or on the CPU with hardware.device=cpu), resolved as
+    reprotune.speed.choose resolves them: the fast path packs, uses flex attention and Liger's kernels."""
+    method, train, hw = cfg.method, cfg.train, cfg.hardware
+    targets = method.target_modules or cfg.model.lora_target_modules
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    cuda = hw.device != "cpu"
+    fast = cuda if _auto(hw.get("fast_path", "auto")) else bool(hw.fast_path)
+    packing = fast if _auto(train.get("packing")) else bool(train.packing)
+    attn = hw.get("attn_implementation", "auto")
+    if _auto(attn):
+        attn = "eager" if cfg.repro == "strict" and not packing else ("flex_attention" if packing and cuda else "sdpa")
+    liger = hw.get("liger_kernel", "auto")
+    liger = fast and cuda if _auto(liger) else bool(liger)  # the CUDA lock installs liger-kernel
+    ckpt = hw.gradient_checkpointing if checkpointing is None else checkpointing
+    cpu_fp32 = hw.dtype == "float32" or (hw.dtype == "auto" and not cuda)
+    quant = quantization(cfg) or {}
+    return Settings(method=str(method.name), load_in_4bit=bool(quant.get("load_in_4bit", False)),
+                    double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
+                    dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
+                    checkpointing=True if _auto(ckpt) else bool(ckpt),  # auto: decided by fit_setting
+                    packing=packing, batch_size=int(train.per_device_train_batch_size),
+                    grad_accum=int(train.gradient_accumulation_steps), max_length=int(train.max_length),
+                    eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
+                    dtype_bytes=4 if cpu_fp32 else 2, liger=liger, input_casts=False)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
+    """Tokens in the largest micro-batch: packed rows are filled up to max_length; unpacked batches are padded
+    to their longest example, and the data's longest example is in some batch of an epoch."""
+    longest = s.max_length if data is None else min(data.max_tokens, s.max_length)
+    return s.batch_size * (s.max_length if s.packing else longest)
+
+
+def weight_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
+    if not s.load_in_4bit:
+        return p.total * s.dtype_bytes
+    w = consts["weights"]
+    per_param = w["nf4_bytes_per_param"]
+    if s.double_quant:
+        per_param += 1 / w["nf4_block"] + 4 / (w["nf4_block"] * w["nf4_double_quant_block"])
+    else:
+        per_param += 4 / w["nf4_block"]
+    return p.layer_linear * per_param + (p.total - p.layer_linear) * 2
+
+
+def adapter_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
+    """Trainable parameters + gradients + AdamW states: fp32 for LoRA on a 16-bit base (PEFT's autocast of
+    adapter dtypes), bf16 for QLoRA (TRL casts the adapters of a quantised model to bf16)."""
+    per = 2 if (s.load_in_4bit and s.dtype_bytes == 2) else 4
+    autocast_copy = 2 if per == 4 and s.dtype_bytes == 2 else 0  # bf16 copies of fp32 adapters, kept for backward
+    return p.trainable * (per * (2 + consts["optimizer"]["states_per_param"]) + autocast_copy)
+
+
+def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) -> float:
+    """Bytes per token that one decoder layer keeps for backward (no checkpointing)."""
+    a = consts["activations"]
+    c = a["input_casts" if s.input_casts and not s.load_in_4bit else "no_input_casts"]
+    per_token = c["h_coef"] * shape.hidden + c["i_coef"] * shape.intermediate + c["kv_coef"] * shape.kv_dim
+    if s.liger:
+        per_token += a["liger"]["h_delta"] * shape.hidden + a["liger"]["i_delta"] * shape.intermediate
+    if s.mask_repeats_kv:
+        per_token += a["gqa_mask_coef"] * (shape.q_dim - shape.kv_dim)
+    return per_token * s.dtype_bytes / 2
+
+
+def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, Any]) -> dict[str, float]:
+    """Activations of the largest micro-batch, with and without checkpointing, and the backward transients."""
+    a = consts["activations"]
+    layer = layer_activation_bytes(shape, s, consts) * tokens
+    base = a["base_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
+    rows = s.batch_size
+    seq = tokens // max(rows, 1)
+    eager_layer = rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
+    backward = (a["backward_h_coef"] * shape.hidden + a["backward_i_coef"] * shape.intermediate) * tokens
+    return {
+        "no_checkpointing": shape.layers * (layer + eager_layer) + base,
+        "checkpointing": shape.layers * a["checkpointed_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
+        + base,
+        "recompute_layer": layer + eager_layer,
+        "backward_transient": backward * s.dtype_bytes / 2,
+    }
+
+
+def lm_head_bytes(shape: Shape, tokens: int, assistant_share: float, consts: dict[str, Any]) -> float:
+    """TRL's fused LM head: logits exist only as (4096 tokens x 32768 vocabulary) tiles of the loss positions."""
+    lm = consts["lm_head"]
+    valid = max(1, int(tokens * assistant_share))
+    tile = min(valid, lm["token_tile"]) * min(shape.vocab, lm["vocab_tile"]) * 2
+    return lm["tiles_live"] * tile + lm["per_valid_token_h_coef"] * shape.hidden * valid
+
+
+def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
+           consts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predicted peak of torch.cuda.max_memory_allocated for these settings, by part (bytes and GiB)."""
+    consts = consts or load_table("memory.yaml")
+    tokens = micro_batch_tokens(s, data)
+    share = data.assistant_share if data else 1.0
+    act = activation_bytes(shape, s, tokens, consts)
+    lm = lm_head_bytes(shape, tokens, share, consts)
+    dequant = p.largest_linear * 2 * consts["weights"]["dequant_temp_layers"] if s.load_in_4bit else 0.0
+    static = weight_bytes(p, s, consts) + adapter_bytes(p, s, consts)
+    if s.checkpointing:
+        # backward: the loss head first, then one layer at a time is recomputed next to the saved layer inputs
+        dynamic = act["checkpointing"] + max(lm, act["recompute_layer"] + act["backward_transient"]) + dequant
+    else:
+        dynamic = act["no_checkpointing"] + lm + act["backward_transient"] + dequant
+    allocated = static + dynamic
+    o = consts["overhead"]
+    reserved = allocated * o["reserved_over_allocated"]
+    parts = {"weights": weight_bytes(p, s, consts), "adapter_optimizer_grads": adapter_bytes(p, s, consts),
+             "activations_checkpointing": act["checkpointing"] + act["recompute_layer"],
+             "activations_no_checkpointing": act["no_checkpointing"],
+             "backward_transient": act["backward_transient"] + dequant,
+             "logits_loss": lm, "cuda_context": o["cuda_context_gib"] * GIB,
+             "allocator_reserve": reserved - allocated}
+    return {"tokens_per_micro_batch": tokens, "checkpointing": s.checkpointing,
+            "peak_allocated_bytes": allocated, "peak_gib": round(allocated / GIB, 2),
+            "reserved_gib": round(reserved / GIB, 2),
+            "card_gib": round((reserved + o["cuda_context_gib"] * GIB) / GIB, 2),
+            "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
+
+
+def needed_bytes(mem: dict[str, Any], consts: dict[str, Any]) -> float:
+    """What a card must have free: reserved peak + CUDA context + margin."""
+    return (mem["card_gib"] + consts["overhead"]["margin_gib"]) * GIB
+
+
+# -------------------------------------------------------------------------------------------------- fit
+def candidate_settings(s: Settings) -> list[Settings]:
+    """From fastest to smallest: no checkpointing, checkpointing, smaller micro-batches (same effective batch),
+    then QLoRA for a 16-bit LoRA."""
+    ladder = [replace(s, checkpointing=False), replace(s, checkpointing=True)]
+    for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:  # as reprotune.speed
+        ladder.append(replace(s, checkpointing=True, batch_size=bs,
+                              grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
+    if not s.load_in_4bit:
+        q = replace(s, method="qlora", load_in_4bit=True, double_quant=True)
+        ladder += [replace(c, method="qlora", load_in_4bit=True, double_quant=True) for c in ladder if
+                   c.checkpointing] or [q]
+    return ladder
+
+
+def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
+                    consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
+    for cand in candidate_settings(s):
+        p = count_params(shape, list(cand.targets), cand.r, cand.dora)
+        mem = memory(shape, p, cand, data, consts)
+        if needed_bytes(mem, consts) <= capacity_gib * GIB:
+            return cand, mem
+    return None
+
+
+def describe(s: Settings) -> str:
+    tokens = f"{s.batch_size}x{s.max_length} packed" if s.packing else f"bs {s.batch_size}"
+    return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {'on' if s.checkpointing else 'off'}, "
+            f"{tokens}, grad-accum {s.grad_accum}")
+
+
+def overrides_for(s: Settings, base: Settings) -> list[str]:
+    out = []
+    if s.load_in_4bit and not base.load_in_4bit:
+        out.append("method=qlora")
+    out.append(f"hardware.gradient_checkpointing={str(s.checkpointing).lower()}")
+    if s.batch_size != base.batch_size:
+        out += [f"train.per_device_train_batch_size={s.batch_size}", f"train.gradient_accumulation_steps={s.grad_accum}"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- time/cost
+def flops_per_token(p: Params, checkpointing: bool) -> float:
+    """Hardware FLOPs per trained token: forward 2N + input gradients 2N (the base is frozen), + 2N recompute."""
+    return (4 + (2 if checkpointing else 0)) * p.total
+
+
+def tokens_per_second(p: Params, s: Settings, gpu: str, tables: dict[str, Any]) -> tuple[float, str]:
+    tp = tables["throughput"]
+    peak = tp["gpus"][gpu]["tflops"] * 1e12
+    method = "qlora" if s.load_in_4bit else "lora"
+    rows = [m for m in tp["measured"] if m["method"] == method and m["checkpointing"] == s.checkpointing
+            and m["packing"] == s.packing and m.get("liger", False) == s.liger]
+    if rows:
+        best = min(rows, key=lambda m: (m["gpu"] != gpu, abs(math.log(m["params_b"] * 1e9 / p.total))))
+        entry_params = best["params_b"] * 1e9
+        util = best["tokens_per_second"] * (4 + (2 if s.checkpointing else 0)) * entry_params / (
+            tp["gpus"][best["gpu"]]["tflops"] * 1e12)
+        how = (f"measured {best['tokens_per_second']:,} tok/s ({best['model']}, {best['gpu']})"
+               + ("" if best["gpu"] == gpu else f"; its utilisation {util:.1%} applied to {gpu}'s bf16 peak (unmeasured)"))
+    else:
+        util = tp["fallback_mfu"]
+        how = f"FLOPs / stated utilisation {util:.0%} (no measured row for {method}, "\
+              f"checkpointing {s.checkpointing}, packing {s.packing})"
+    return util * peak / flops_per_token(p, s.checkpointing), how
+
+
+def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if s.packing:
+        batches = math.ceil(math.ceil(data.total_tokens / s.max_length) / s.batch_size)
+    else:
+        batches = math.ceil(data.examples / s.batch_size)
+    steps_per_epoch = max(1, math.ceil(batches / s.grad_accum))
+    max_steps = int(cfg.train.max_steps)
+    steps = max_steps if max_steps > 0 else math.ceil(steps_per_epoch * float(cfg.train.num_train_epochs))
+    epochs = steps / steps_per_epoch
+    return {"examples": data.examples, "tokens_per_epoch": data.total_tokens, "steps_per_epoch": steps_per_epoch,
+            "steps": steps, "epochs": round(epochs, 3), "tokens_trained": int(epochs * data.total_tokens)}
+
+
+def time_and_cost(shape: Shape, s: Settings, data: DataShape | None, cfg: DictConfig, tables: dict[str, Any],
+                  consts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per GPU class in the price table: the setting that fits it, tokens/s, time per epoch and run, cost."""
+    prices, tp = tables["prices"], tables["throughput"]
+    run = steps_and_tokens(s, data, cfg)
+    rows = []
+    for gpu in prices["gpus"]:
+        fit = fitting_setting(shape, s, data, card_budget_gib(cfg, tp["gpus"][gpu]["memory_gib"]), consts)
+        row: dict[str, Any] = {"gpu": gpu, "fits": fit is not None}
+        if fit and run:
+            cand = fit[0]
+            p = count_params(shape, list(cand.targets), cand.r, cand.dora)
+            tps, how = tokens_per_second(p, cand, gpu, tables)
+            hours = run["tokens_trained"] / tps / 3600
+            row.update({"setting": describe(cand), "tokens_per_second": round(tps), "throughput_source": how,
+                        "epoch_hours": round(run["tokens_per_epoch"] / tps / 3600, 3), "run_hours": round(hours, 3),
+                        "cost_usd": {prov: (round(hours * table[gpu], 2) if table.get(gpu) is not None else None)
+                                     for prov, table in prices["providers"].items()}})
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- warnings
+SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict[str, Any]) -> list[str]:
+    out = []
+    model = cfg.model
+    local = bool(model.path) and Path(str(model.path)).is_dir()
+    if model.source == "hub" and not local and not SHA_RE.match(str(model.revision or "")):
+        out.append(f"model.revision={model.revision}: the hub model {model.path} is not pinned to a commit; a new "
+                   "upload changes your run (set model.revision=<40-hex sha>)")
+    if model.get("gated") and not local and not (os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")):
+        out.append(f"{model.path} is gated and HF_TOKEN is not set in the environment: the download will fail")
+    if data is None:
+        out.append(f"{cfg.paths.prepared}: no prepared data (run make prepare); memory assumes full-length "
+                   "examples, and no time or cost without token counts")
+        return out
+    if data.overlong:
+        out.append(f"{data.overlong} example(s) were over data.max_length {data.prepared_max_length} when prepared "
+                   f"({cfg.data.overlong}: see {data.source}/report.json)")
+    if data.prepared_max_length is not None and int(data.prepared_max_length) != int(cfg.data.max_length):
+        out.append(f"data was prepared with max_length {data.prepared_max_length}, the config says "
+                   f"{cfg.data.max_length}: re-run make prepare")
+    if data.max_tokens > s.max_length:
+        out.append(f"the longest example ({data.max_tokens} tokens) is over train.max_length {s.max_length}: "
+                   "TRL truncates it")
+    if data.tokenizer_model and tokenizer_id(data.tokenizer_model) != tokenizer_id(str(model.name)):
+        out.append(f"token counts come from {data.tokenizer_model}'s tokenizer (prepared for it), not {model.name}'s: "
+                   "re-run make prepare with this model for exact counts")
+    if run and run["epochs"] > 1.0 and int(cfg.train.max_steps) > 0:
+        out.append(f"train.max_steps={cfg.train.max_steps} passes over the {data.examples} examples "
+                   f"{run['epochs']:.1f} times: the dataset is small for this step count (overfitting risk)")
+    if data.examples < s.batch_size * s.grad_accum:
+        out.append(f"{data.examples} examples are fewer than one optimizer step's batch "
+                   f"({s.batch_size} x {s.grad_accum})")
+    return out
+
+
+def tokenizer_id(preset: str) -> str:
+    """Presets that share a tokenizer (the random shapes use the built-in SmolLM2 one) share token counts."""
+    path = CONF_DIR / "model" / f"{preset}.yaml"
+    if not path.is_file():
+        return preset
+    model = yaml.safe_load(path.read_text())
+    builtin = model.get("builtin") or (model.get("random_init") or {}).get("tokenizer_from_builtin")
+    return f"builtin:{builtin['sha256']}" if builtin else str(model.get("path") or preset)
+
+
+# -------------------------------------------------------------------------------------------------- plan
+def load_tables() -> dict[str, Any]:
+    return {"memory": load_table("memory.yaml"), "throughput": load_table("throughput.yaml"),
+            "prices": load_table("prices.yaml")}
+
+
+def card_budget_gib(cfg: DictConfig, card_gib: float) -> float:
+    """What `make train` lets itself use on a card (reprotune.speed.memory_budget): hardware.memory_budget_gib,
+    or auto: 20 GiB for QLoRA (its default fits a 24 GB card), else the card."""
+    wanted = cfg.hardware.get("memory_budget_gib", "auto")
+    if not _auto(wanted):
+        return min(card_gib, float(wanted))
+    return min(card_gib, 20.0) if quantization(cfg) else card_gib
+
+
+def decide_checkpointing(cfg: DictConfig, free_bytes: float) -> bool:
+    """hardware.gradient_checkpointing: true/false as set; auto: on only if the run without it would not fit."""
+    setting = cfg.hardware.gradient_checkpointing
+    if setting != "auto":
+        return bool(setting)
+    consts = load_table("memory.yaml")
+    shape = model_shape(cfg.model)
+    s = settings_from_cfg(cfg, checkpointing=False)
+    mem = memory(shape, count_params(shape, list(s.targets), s.r, s.dora), s, load_data_shape(cfg), consts)
+    return needed_bytes(mem, consts) > free_bytes
+
+
+def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | None = None) -> dict[str, Any]:
+    """The whole plan as a JSON-able dict. free_bytes: the GPU's free memory (preflight), else the largest card."""
+    tables = load_tables()
+    consts = tables["memory"]
+    shape = model_shape(cfg.model)
+    data = load_data_shape(cfg)
+    card = free_bytes / GIB if free_bytes is not None else tables["throughput"]["gpus"]["H200"]["memory_gib"]
+    budget = card_budget_gib(cfg, card) * GIB
+    ckpt = decide_checkpointing(cfg, budget)
+    s = settings_from_cfg(cfg, checkpointing=ckpt)
+    p = count_params(shape, list(s.targets), s.r, s.dora)
+    mem = memory(shape, p, s, data, consts)
+    mem_other = memory(shape, p, replace(s, checkpointing=not ckpt), data, consts)
+    fit = {}
+    for size, gpu in tables["throughput"]["cards"].items():
+        found = fitting_setting(shape, s, data, card_budget_gib(cfg, tables["throughput"]["gpus"][gpu]["memory_gib"]),
+                                consts)
+        fit[f"{size} GB"] = ({"gpu": gpu, "setting": describe(found[0]), "overrides": overrides_for(found[0], s),
+                              "peak_gib": found[1]["peak_gib"], "card_gib": found[1]["card_gib"]}
+                             if found else {"gpu": gpu, "setting": None})
+    run = steps_and_tokens(s, data, cfg)
+    return {
+        "model": {"name": str(cfg.model.name), "shape": asdict(shape), "parameters": p.total,
+                  "trainable_parameters": p.trainable,
+                  "frozen_weight_bytes": {"bf16": p.total * 2,
+                                          "nf4_double_quant": int(weight_bytes(p, replace(s, load_in_4bit=True,
+                                                                                          double_quant=True),
+                                                                               consts))}},
+        "settings": asdict(s) | {"gradient_checkpointing_setting": str(cfg.hardware.gradient_checkpointing),
+                                 "budget_gib": round(budget / GIB, 1), "device": device},
+        "memory": mem,
+        "memory_other_checkpointing": mem_other,
+        "fit": fit,
+        "data": asdict(data) if data else None,
+        "run": run,
+        "time_and_cost": time_and_cost(shape, s, data, cfg, tables, consts),
+        "prices_as_of": tables["prices"]["as_of"],
+        "prices_verified": tables["prices"].get("verified", False),
+        "warnings": warnings_for(cfg, s, data, run),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+def load_calibration(path: Path | None = None) -> list[dict[str, Any]]:
+    return json.loads((path or PLAN_DIR / "calibration.json").read_text())
+
+
+def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plan's prediction for one measured configuration (its overrides and its recorded data shape)."""
+    from reprotune.config import compose
+
+    cfg = compose([o for o in entry["overrides"] if not o.startswith(("paths.", "data.path="))])
+    s = replace(settings_from_cfg(cfg), **entry.get("code_flags", {}))
+    shape = model_shape(cfg.model)
+    p = count_params(shape, list(s.targets), s.r, s.dora)
+    data = DataShape(**entry["data_shape"])
+    mem = memory(shape, p, s, data, consts or load_table("memory.yaml"))
+    tps, _ = tokens_per_second(p, s, "H200", {"throughput": load_table("throughput.yaml")})
+    return {"peak_gib": mem["peak_gib"], "reserved_gib": mem["reserved_gib"], "tokens_per_second": round(tps),
+            "parts_gib": mem["parts_gib"]}
+
+
+def calibration_errors(entries: list[dict[str, Any]], consts: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """(predicted - measured) / measured for every entry with a measured peak."""
+    rows = []
+    for e in entries:
+        measured = (e.get("measured") or {}).get("peak_allocated_gib")
+        if not measured:
+            continue
+        pred = predict_entry(e, consts)
+        rows.append({"name": e["name"], "predicted_gib": pred["peak_gib"], "measured_gib": measured,
+                     "error": round((pred["peak_gib"] - measured) / measured, 4),
+                     "measured_reserved_gib": e["measured"].get("peak_reserved_gib"),
+                     "predicted_reserved_gib": pred["reserved_gib"],
+                     "measured_tokens_per_second": e["measured"].get("tokens_per_second"),
+                     "predicted_tokens_per_second": pred["tokens_per_second"]})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ report
+def format_plan(plan: dict[str, Any]) -> str:
+    m, mem, s = plan["model"], plan["memory"], plan["settings"]
+    gib = 1 / GIB
+    lines = [f"plan: {m['name']} ({m['shape']['source']})",
+             f"  parameters {m['parameters'] / 1e9:.3f} B, trainable (LoRA r{s['r']}) {m['trainable_parameters'] / 1e6:.2f} M; "
+             f"frozen weights bf16 {m['frozen_weight_bytes']['bf16'] * gib:.2f} GiB, "
+             f"NF4+double quant {m['frozen_weight_bytes']['nf4_double_quant'] * gib:.2f} GiB",
+             f"  settings: {s['method']}, checkpointing {'on' if s['checkpointing'] else 'off'} "
+             f"(hardware.gradient_checkpointing={s['gradient_checkpointing_setting']}, budget {s['budget_gib']} GiB), "
+             f"{'packed ' if s['packing'] else ''}micro-batch {mem['tokens_per_micro_batch']} tokens "
+             f"(bs {s['batch_size']}, max_length {s['max_length']})",
+             f"  predicted peak GPU memory: {mem['peak_gib']} GiB allocated, {mem['reserved_gib']} GiB reserved, "
+             f"{mem['card_gib']} GiB on the card",
+             *[f"    {k.replace('_', ' '):32s} {v:8.2f} GiB" for k, v in mem["parts_gib"].items()],
+             f"    (checkpointing {'off' if s['checkpointing'] else 'on'} instead: "
+             f"{plan['memory_other_checkpointing']['peak_gib']} GiB)",
+             "  fits:"]
+    for size, row in plan["fit"].items():
+        lines.append(f"    {size:7s} ({row['gpu']:8s}) " + (f"{row['setting']}: {row['peak_gib']} GiB peak"
+                                                           if row["setting"] else "does not fit"))
+    run = plan["run"]
+    if run:
+        lines.append(f"  data: {run['examples']} examples, {run['tokens_per_epoch']:,} tokens per epoch; "
+                     f"{run['steps']} steps ({run['steps_per_epoch']} per epoch, {run['epochs']} epochs)")
+        lines.append(f"  time and cost (prices as of {plan['prices_as_of']}"
+                     f"{', unverified: edit conf/plan/prices.yaml' if not plan['prices_verified'] else ''}):")
+        for row in plan["time_and_cost"]:
+            if not row.get("tokens_per_second"):
+                lines.append(f"    {row['gpu']:9s} does not fit")
+                continue
+            costs = ", ".join(f"{k} ${v:.2f}" for k, v in row["cost_usd"].items() if v is not None)
+            scaled = "*" if "unmeasured" in row["throughput_source"] or "stated" in row["throughput_source"] else " "
+            lines.append(f"    {row['gpu']:9s} {row['tokens_per_second']:>6,} tok/s{scaled} epoch {row['epoch_hours'] * 60:7.1f} min"
+                         f"  run {row['run_hours'] * 60:7.1f} min  {costs}")
+        lines.append("    (* not measured on that GPU: scaled by bf16 peak FLOPs; run 50 steps and read the manifest's "
+                     "tokens/s before a long run)")
+    for w in plan["warnings"]:
+        lines.append(f"  warning: {w}")
+    return "\n".join(lines)
+
+
+def write_plan(plan: dict[str, Any], cfg: DictConfig) -> Path:
+    from reprotune.manifest import write_json
+
+    out = Path(cfg.paths.outputs) / "plan.json"
+    write_json(out, plan)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- preflight
+def preflight(cfg: DictConfig, device: str, budget_bytes: float | None = None) -> tuple[int, int, bool, str] | None:
+    """Before `make train` loads the model, on a GPU: plan, write outputs/plan.json, and return (rows per
+    micro-batch, gradient accumulation, checkpointing, why) fitted to budget_bytes (reprotune.speed's memory
+    budget; the GPU's free memory when None) in reprotune.speed's order: checkpointing off, then on, then fewer
+    rows. Stops with one line (exit 2) when even that cannot fit the free memory. None on a CPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    free = float(torch.cuda.mem_get_info()[0])
+    budget = free if budget_bytes is None else min(float(budget_bytes), free)
+    try:
+        consts, shape, data = load_table("memory.yaml"), model_shape(cfg.model), load_data_shape(cfg)
+    except PlanError as err:  # an unknown architecture must not block training: say so and go on
+        log.warning("plan: %s (no preflight)", err)
+        return None
+    chosen, mem = fit_to_budget(cfg, shape, data, budget, consts)
+    plan = make_plan(cfg, device=device, free_bytes=free)
+    plan["memory"] = mem
+    plan["settings"].update(asdict(chosen))
+    write_plan(plan, cfg)
+    check_fits(cfg, plan, free, torch.cuda.get_device_name())
+    why = (f"plan: checkpointing {'on' if chosen.checkpointing else 'off'}, {chosen.batch_size} rows: predicted "
+           f"{mem['peak_gib']} GiB peak of a {budget / GIB:.1f} GiB budget")
+    log.info("preflight: %s (%.1f GiB free)", why, free / GIB)
+    return chosen.batch_size, chosen.grad_accum, chosen.checkpointing, why
+
+
+def fit_to_budget(cfg: DictConfig, shape: Shape, data: DataShape | None, budget_bytes: float,
+                  consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
+    """The first setting in reprotune.speed's order (checkpointing off, on, fewer rows; the method is never
+    changed) whose card need fits the budget, else the smallest; as configured when checkpointing is forced."""
+    s = settings_from_cfg(cfg)
+    forced = not _auto(cfg.hardware.gradient_checkpointing)
+    ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
+    for cand in ladder:
+        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
+        if needed_bytes(mem, consts) <= budget_bytes:
+            return cand, mem
+    return ladder[-1], mem
+
+
+def check_fits(cfg: DictConfig, plan: dict[str, Any], free_bytes: float, gpu_name: str) -> None:
+    """Stop (one line, exit status 2) when the planned run needs more than the GPU has free."""
+    consts = load_table("memory.yaml")
+    mem = plan["memory"]
+    if needed_bytes(mem, consts) <= free_bytes:
+        return
+    shape, data = model_shape(cfg.model), load_data_shape(cfg)
+    s = settings_from_cfg(cfg, checkpointing=True)
+    found = fitting_setting(shape, s, data, free_bytes / GIB, consts)
+    hint = (f"settings that fit: {' '.join(overrides_for(found[0], s))} ({found[1]['card_gib']} GiB)"
+            if found else "nothing fits this GPU; use a larger card (make plan shows which)")
+    print(f"train: preflight: predicted {mem['card_gib']} GiB (peak {mem['peak_gib']} GiB allocated) > "
+          f"{free_bytes / GIB:.1f} GiB free on {gpu_name}; {hint}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        plan = make_plan(cfg)
+    except PlanError as err:
+        print(f"plan: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(format_plan(plan))
+    print(f"wrote {write_plan(plan, cfg)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""make plan: the memory model against GPU measurements, every preset planned on CPU, warnings, preflight."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reprotune import plan
+from reprotune.config import CONF_DIR, compose
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+GIB = 2**30
+
+
+def write_prepared(folder: Path, lengths: list[int], max_length: int = 512, model: str = "smollm2_135m",
+                   overlong: int = 0) -> Path:
+    """A prepared folder in the format reprotune.prepare writes (report.json + train.jsonl)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "train.jsonl", "w") as fh:
+        for n in lengths:
+            fh.write(json.dumps({"messages": [{"role": "user", "content": "u" * (3 * n)},
+                                              {"role": "assistant", "content": "a" * n}]}) + "\n")
+    ordered = sorted(lengths)
+    report = {"max_length": max_length,
+              "examples": {"overlong": {"policy": "drop", "count": overlong, "dropped": overlong, "truncated": 0},
+                           "train": len(lengths)},
+              "tokens": {"model": model, "train": {"n": len(lengths), "min": ordered[0], "max": ordered[-1],
+                                                   "mean": sum(lengths) / len(lengths), "total": sum(lengths)}}}
+    (folder / "report.json").write_text(json.dumps(report))
+    return folder
+
+
+# ------------------------------------------------------------------------------ calibration (GPU measurements)
+def test_committed_measurements_are_predicted_within_bounds() -> None:
+    """Every committed H200 measurement: predicted peak within +-10%, never under by more than 5%."""
+    rows = plan.calibration_errors(plan.load_calibration())
+    assert len(rows) >= 5
+    for row in rows:
+        assert -0.05 <= row["error"] <= 0.10, row
+
+
+def test_memory_model_is_no_worse_than_committed() -> None:
+    """The committed table records each prediction's error; a change to the model that makes the worst or the
+    mean error larger fails (update conf/plan/calibration.json with bench/plan_calibrate.py --table --write)."""
+    entries = [e for e in plan.load_calibration() if e.get("measured", {}).get("peak_allocated_gib")]
+    committed = [abs(e["error"]) for e in entries]
+    now = [abs(r["error"]) for r in plan.calibration_errors(entries)]
+    assert max(now) <= max(committed) + 0.002
+    assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
+
+
+# ------------------------------------------------------------------------------------------- model arithmetic
+def test_parameter_counts_match_the_measured_models() -> None:
+    """trainer.get_nb_trainable_parameters() on the H200 reported 7.39 B (8B shape) and 1.09 B (1B shape), LoRA
+    included (README)."""
+    for preset, expected in (("qwen3_8b_random", 7.39e9), ("llama32_1b_random", 1.09e9)):
+        cfg = compose([f"model={preset}"])
+        shape = plan.model_shape(cfg.model)
+        p = plan.count_params(shape, list(cfg.model.lora_target_modules), 16, False)
+        assert abs((p.total + p.trainable) - expected) / expected < 0.005, preset
+
+
+def test_nf4_weights_are_about_a_quarter_of_bf16() -> None:
+    cfg = compose(["model=qwen3_8b_random", "method=qlora"])
+    out = plan.make_plan(cfg)
+    bf16, nf4 = out["model"]["frozen_weight_bytes"]["bf16"], out["model"]["frozen_weight_bytes"]["nf4_double_quant"]
+    # NF4 4.127 bits per layer weight with double quantisation; embeddings and the LM head stay in bf16
+    assert 4.0 * GIB < nf4 < 4.2 * GIB and 13.6 * GIB < bf16 < 13.8 * GIB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["input_casts", "no_input_casts", "qlora_like"])
+def test_activation_coefficients_match_autograd(mode: str) -> None:
+    """Bytes that autograd saves for one decoder layer (real transformers Llama layers + PEFT LoRA r16, bf16
+    autocast, SDPA without a mask, counted with saved_tensors_hooks) match the memory model within 3%: per token
+    the layer formula, plus the bf16 copies autocast keeps of fp32 adapter weights."""
+    import contextlib
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.helpers import disable_input_dtype_casting
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, i, heads, kv, tokens = 1024, 2816, 16, 4, 256
+
+    def saved_bytes(layers: int) -> int:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=256, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, attn_implementation="sdpa")
+        model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
+                               LoraConfig(r=16, lora_alpha=32, target_modules=list(plan.LINEAR_MODULES)))
+        if mode == "qlora_like":  # TRL casts the adapters of a quantised model to bf16
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        casts = disable_input_dtype_casting(model) if mode == "no_input_casts" else contextlib.nullcontext()
+        with casts, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", torch.bfloat16):
+            model.base_model.model.model(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+        return sum(seen.values())
+
+    measured = saved_bytes(2) - saved_bytes(1)
+    shape = plan.Shape(hidden=h, intermediate=i, layers=1, heads=heads, kv_heads=kv, head_dim=h // heads,
+                       vocab=256, tied=True, source="test")
+    s = plan.replace(plan.settings_from_cfg(compose(["method=" + ("qlora" if mode == "qlora_like" else "lora")])),
+                     mask_repeats_kv=False, liger=False, input_casts=mode == "input_casts")
+    consts = plan.load_table("memory.yaml")
+    trainable = plan.count_params(shape, list(plan.LINEAR_MODULES), 16, False).trainable
+    predicted = plan.layer_activation_bytes(shape, s, consts) * tokens + (0 if mode == "qlora_like" else 2 * trainable)
+    assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
+
+
+# ----------------------------------------------------------------------------------------------- every preset
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_every_preset_is_planned_on_cpu(model: str, method: str, tmp_path: Path) -> None:
+    prepared = write_prepared(tmp_path / "prepared", [200, 300, 480] * 10)
+    cfg = compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
+                   f"paths.outputs={tmp_path / 'out'}"])
+    out = plan.make_plan(cfg)
+    mem = out["memory"]
+    parts = mem["parts_gib"]
+    assert mem["peak_gib"] > parts["weights"] > 0
+    assert out["model"]["trainable_parameters"] > 0
+    assert set(out["fit"]) == {"24 GB", "40 GB", "48 GB", "80 GB", "141 GB"}
+    assert out["run"]["tokens_per_epoch"] == sum([200, 300, 480] * 10)
+    assert all(row["fits"] for row in out["time_and_cost"] if row["gpu"] == "H200")
+    # the GPU fast path packs: 4 rows of up to max_length; unpacked, 4 examples padded to the longest (480)
+    assert mem["tokens_per_micro_batch"] == 4 * 512 and out["settings"]["packing"]
+    unpacked = plan.make_plan(compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
+                                       "train.packing=false"]))
+    assert unpacked["memory"]["tokens_per_micro_batch"] == 4 * 480
+    json.dumps(out)  # plan.json is plain JSON
+
+
+def test_checkpointing_and_packing_change_the_peak_as_expected(tmp_path: Path) -> None:
+    prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
+    base = ["model=qwen3_8b_random", f"paths.prepared={prepared}", "data.max_length=1100"]
+    on = plan.make_plan(compose([*base, "hardware.gradient_checkpointing=true"]))["memory"]
+    off = plan.make_plan(compose([*base, "hardware.gradient_checkpointing=false"]))["memory"]
+    base.append("train.packing=false")
+    packed = plan.make_plan(compose([*base, "hardware.gradient_checkpointing=false", "train.packing=true",
+                                     "hardware.fast_path=false", "hardware.liger_kernel=false"]))["memory"]
+    assert on["peak_gib"] < off["peak_gib"] < packed["peak_gib"]
+    assert packed["tokens_per_micro_batch"] == 4 * 1100
+
+
+def test_fit_table_picks_smaller_settings_for_smaller_cards(tmp_path: Path) -> None:
+    prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
+    out = plan.make_plan(compose(["model=qwen3_8b_random", "data.max_length=1100", f"paths.prepared={prepared}",
+                                  "train.per_device_train_batch_size=8"]))
+    fit = out["fit"]
+    assert "checkpointing off" in fit["141 GB"]["setting"]
+    assert "checkpointing on" in fit["24 GB"]["setting"]
+    for size, card in (("24 GB", 23.5), ("141 GB", 139.8)):
+        assert fit[size]["card_gib"] <= card
+
+
+# -------------------------------------------------------------------------------------------- preflight logic
+def test_auto_checkpointing_is_on_only_when_needed(tmp_path: Path) -> None:
+    prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
+    cfg = compose(["model=qwen3_8b_random", "hardware=auto", f"paths.prepared={prepared}", "data.max_length=1100"])
+    assert plan.decide_checkpointing(cfg, 140 * GIB) is False
+    assert plan.decide_checkpointing(cfg, 24 * GIB) is True
+    forced = compose(["model=qwen3_8b_random", "hardware.gradient_checkpointing=true", f"paths.prepared={prepared}"])
+    assert plan.decide_checkpointing(forced, 140 * GIB) is True
+    assert plan.preflight(compose(["model=tiny_random", "hardware=cpu"]), "cpu") is None
+
+
+def test_preflight_fits_in_speeds_order(tmp_path: Path) -> None:
+    """What preflight hands reprotune.speed: checkpointing off if it fits the budget, else on, else fewer rows
+    (same global batch); QLoRA's 20 GiB default budget turns checkpointing on for 4 x 1,100 tokens (measured
+    on the H200: 23.6 GiB without it)."""
+    prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
+    cfg = compose(["model=qwen3_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
+                   "train.gradient_accumulation_steps=4"])
+    consts, shape, data = plan.load_table("memory.yaml"), plan.model_shape(cfg.model), plan.load_data_shape(cfg)
+    roomy, _ = plan.fit_to_budget(cfg, shape, data, 100 * GIB, consts)
+    assert (roomy.checkpointing, roomy.batch_size) == (False, 4)
+    default, mem = plan.fit_to_budget(cfg, shape, data, 20 * GIB, consts)
+    assert (default.checkpointing, default.batch_size) == (True, 4) and mem["peak_gib"] < 20
+    tight, _ = plan.fit_to_budget(cfg, shape, data, 6.5 * GIB, consts)
+    assert tight.checkpointing and tight.batch_size < 4 and tight.batch_size * tight.grad_accum == 16
+
+
+def test_preflight_stops_with_one_line_and_the_settings_that_fit(tmp_path: Path, capsys) -> None:
+    prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
+    cfg = compose(["model=qwen3_8b_random", "hardware=gpu", "hardware.gradient_checkpointing=false",
+                   "data.max_length=1100", f"paths.prepared={prepared}"])
+    out = plan.make_plan(cfg, free_bytes=22 * GIB)
+    with pytest.raises(SystemExit) as stop:
+        plan.check_fits(cfg, out, 22 * GIB, "Test GPU")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "22.0 GiB free on Test GPU" in err and "hardware.gradient_checkpointing=true" in err
+    plan.check_fits(cfg, out, 80 * GIB, "Test GPU")  # fits: returns
+
+
+# ------------------------------------------------------------------------------------------------- warnings
+def test_warnings_name_what_costs_a_paid_hour(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    prepared = write_prepared(tmp_path / "p", [100, 700], max_length=512, overlong=3)
+    cfg = compose(["model=llama32_1b", f"paths.prepared={prepared}", "train.max_steps=50"])
+    text = "\n".join(plan.make_plan(cfg)["warnings"])
+    assert "not pinned" in text
+    assert "gated and HF_TOKEN is not set" in text
+    assert "3 example(s) were over data.max_length 512" in text
+    assert "over train.max_length 512" in text
+    assert "dataset is small" in text
+
+
+def test_hf_token_is_checked_by_name_never_written(tmp_path: Path, monkeypatch) -> None:
+    secret = "hf_plan_test_secret_value"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    prepared = write_prepared(tmp_path / "p", [100] * 40)
+    cfg = compose(["model=llama32_1b", "model.revision=" + "a" * 40, f"paths.prepared={prepared}",
+                   f"paths.outputs={tmp_path / 'out'}"])
+    out = plan.make_plan(cfg)
+    assert not [w for w in out["warnings"] if "gated" in w or "pinned" in w]
+    written = plan.write_plan(out, cfg).read_text()
+    assert secret not in written and secret not in plan.format_plan(out)
+
+
+def test_unknown_architecture_is_one_line_exit_2(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-m", "reprotune.plan", "model=qwen3_8b", "~model.architecture",
+                           f"paths.root={tmp_path}"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("plan: conf/model/qwen3_8b.yaml: architecture: missing")
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def test_make_plan_for_the_8b_preset_is_fast_and_writes_plan_json(tmp_path: Path) -> None:
+    prepared = write_prepared(tmp_path / "data" / "prepared", [600] * 100, max_length=1024)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "reprotune.plan", "model=qwen3_8b_random", "method=qlora",
+                           "data.max_length=1024", f"paths.root={tmp_path}"], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 10, elapsed
+    written = json.loads((tmp_path / "outputs" / "plan.json").read_text())
+    assert written["data"]["source"] == str(prepared)
+    assert "predicted peak GPU memory" in proc.stdout and "RunPod" in proc.stdout
+    assert f"prices as of {written['prices_as_of']}" in proc.stdout
