@@ -74,7 +74,11 @@ train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODE
 	$(call stage,train)
 
 .PHONY: test
-test: venv data llama-cpp ## Run the test suite (the same command CI runs)
+test: venv data ## The fast lane (<= 5 min on 2 cores): unit + fast integration tests; no llama.cpp build, no image
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+.PHONY: test-all
+test-all: venv data llama-cpp ## The whole suite (what .ci/run runs): + llama.cpp export, DVC pipelines, images, resumes
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 .PHONY: test-smoke
@@ -126,7 +130,7 @@ verify: venv ## Re-run a recorded run in a temp dir and compare bytes: RUN=<mani
 	$(PY) -m reprotune.verify $(RUN) $(ARGS)
 
 # ---- Containers: the pinned image (docker/Dockerfile) and RUNNER=docker ------------------------------------------
-#   make docker-build VARIANT=cpu|cuda          build reprotune:<variant> (README, "Containers")
+#   make docker-build VARIANT=cpu|cuda          build reprotune:<variant> (docs/containers.md)
 #   make train RUNNER=docker ARGS="..."         any target: every recipe line runs inside the image
 RUNNER ?= local
 DOCKER ?= docker
@@ -157,7 +161,7 @@ else ifneq ($(RUNNER),local)
 $(error RUNNER=$(RUNNER): use RUNNER=local (the default) or RUNNER=docker)
 endif
 
-# ---- export and serving (merge -> gguf -> serve); see README "Export and serving"
+# ---- export and serving (merge -> gguf -> serve); see docs/export.md
 .PHONY: llama-cpp
 llama-cpp: venv ## Build (once, cached in .cache/llama-cpp) and install the hash-pinned llama.cpp
 	@bash scripts/build_llama_cpp.sh >/dev/null

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEPS = ["train.max_steps=6", "train.logging_steps=1", "train.save_steps=1000", "train.resume=never",
+STEPS = ["train.max_steps=6", "train.logging_steps=1", "train.save_steps=1000", "train.run.resume=never",
          "train.gradient_accumulation_steps=1"]
 SHORT = ["train.per_device_train_batch_size=16"]
 LONG = ["data.max_length=1100", "train.per_device_train_batch_size=4"]

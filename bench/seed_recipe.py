@@ -137,7 +137,7 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) 
     cmd = [sys.executable, "-m", "reprotune.train", f"model={model}", f"method={method}", f"paths.root={root}",
            "hardware=gpu", "data.max_length=1100", f"train.max_steps={steps}", "train.per_device_train_batch_size=4",
            "train.gradient_accumulation_steps=4", "train.learning_rate=2e-4", "train.logging_steps=1",
-           "train.save_steps=100000", "train.resume=never", *overrides]
+           "train.save_steps=100000", "train.run.resume=never", *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     manifest = json.loads((root / "outputs/train/manifest.json").read_text())

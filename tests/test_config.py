@@ -32,7 +32,7 @@ def test_every_preset_composes(model: str, method: str, hardware: str) -> None:
 
     OmegaConf.to_container(cfg, resolve=True)
     if method == "qlora":
-        assert cfg.method.load_in_4bit is True
+        assert cfg.method.quantization.load_in_4bit is True
     if method == "dora":
         assert cfg.method.use_dora is True
 
@@ -41,7 +41,7 @@ def test_overrides_land() -> None:
     cfg = compose(["method=qlora", "train.max_steps=20", "train.learning_rate=1e-4"])
     assert cfg.train.max_steps == 20
     assert cfg.train.learning_rate == 1e-4
-    assert cfg.method.load_in_4bit
+    assert cfg.method.quantization.load_in_4bit
 
 
 def test_default_is_builtin_model_and_invoice_data() -> None:

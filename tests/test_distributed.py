@@ -19,6 +19,7 @@ import pytest
 
 from reprotune import distributed
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.invoices import generate
 
 from .conftest import REPO, write_jsonl
@@ -138,5 +139,5 @@ def test_strategy_choice() -> None:
     assert distributed.strategy(compose(["hardware.distributed=fsdp2"]), 2) == "fsdp2"
     args = distributed.trainer_arguments(compose(["hardware.distributed=fsdp2"]), 2)
     assert args["fsdp"] == "full_shard auto_wrap" and args["fsdp_config"]["fsdp_version"] == 2
-    with pytest.raises(SystemExit):
+    with pytest.raises(ReprotuneError, match="hardware.distributed: must be auto, ddp or fsdp2, not 'zero3'"):
         distributed.trainer_arguments(compose(["hardware.distributed=zero3"]), 2)

@@ -160,6 +160,7 @@ def in_image(*cmd: str, flags: tuple[str, ...] = ("--network=none",)) -> subproc
     return run([docker_client(), "run", "--rm", *flags, IMAGE, *cmd], timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_image_config(image: dict) -> None:
@@ -185,6 +186,7 @@ def test_image_config(image: dict) -> None:
     assert secret == "nosecret"
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_pod_volume_owned_by_root_is_usable(image: dict, tmp_path: Path) -> None:
@@ -199,6 +201,7 @@ def test_pod_volume_owned_by_root_is_usable(image: dict, tmp_path: Path) -> None
     assert (volume / "outputs/checkpoints").stat().st_uid == 1000
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_ca_secret_never_reaches_a_layer(image: dict) -> None:
@@ -249,6 +252,7 @@ def smoke_run(image: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     return ws, out
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_smoke_train_in_container_offline(image: dict, smoke_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
@@ -263,6 +267,7 @@ def test_smoke_train_in_container_offline(image: dict, smoke_run: tuple[Path, su
     assert_no_secret(log, ws / "outputs")
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_container_and_host_give_the_same_bytes(smoke_run: tuple[Path, subprocess.CompletedProcess[str]],
@@ -294,6 +299,7 @@ EXPORT_ARGS = ("model=tiny_random train.learning_rate=0.01 export.quant=[Q8_0] e
                "export.parity.max_new_tokens=8 export.merge.prompts=2")
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_merge_and_gguf_in_container_offline(image: dict, smoke_run: tuple[Path, subprocess.CompletedProcess[str]]
@@ -316,6 +322,7 @@ def test_merge_and_gguf_in_container_offline(image: dict, smoke_run: tuple[Path,
     assert_no_secret(log, ws / "outputs")
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_image_without_llama_cpp_says_so(image: dict, ca_bundle: Path, tmp_path: Path) -> None:
@@ -332,6 +339,7 @@ def test_image_without_llama_cpp_says_so(image: dict, ca_bundle: Path, tmp_path:
     assert "compiling libllama" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_runner_docker_refuses_an_image_from_another_lock(image: dict, tmp_path: Path) -> None:
@@ -362,6 +370,7 @@ def env_listing(tag: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 def test_rebuild_is_byte_identical(image: dict, ca_bundle: Path) -> None:
@@ -380,6 +389,7 @@ def test_rebuild_is_byte_identical(image: dict, ca_bundle: Path) -> None:
     assert not diff, f"{len(diff)} lines differ, e.g. {diff[:6]}"
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 @needs_engine
 @pytest.mark.skipif(os.environ.get("REPROTUNE_DOCKER_CUDA") != "1",

@@ -26,6 +26,8 @@ from reprotune.manifest import sha256_tree
 
 from .conftest import REPO
 
+pytestmark = pytest.mark.slow  # runs the DVC pipeline several times, an sshd remote
+
 VENV_BIN = Path(sys.executable).parent
 SSHD = Path("/usr/sbin/sshd")
 TINY = ["model=tiny_random", "train.max_steps=2", "train.save_steps=2", "train.logging_steps=1",

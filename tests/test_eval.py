@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.evaluate import evaluate
 
 from .eval_support import TINY_ADAPTER_TRAIN, eval_overrides, tiny_adapter  # noqa: F401 (fixture)
@@ -38,10 +39,14 @@ def test_outputs_and_metrics(evaluated: tuple[Path, dict]) -> None:
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["examples"] == 6
+    records = read_jsonl(out / "predictions.jsonl")
     for system in ("base", "tuned"):
         for name in ("json_valid", "exact_match", "field_accuracy", "schema_ok", "field/total", "amounts_ok",
                      "iso_date"):
-            assert 0.0 <= metrics[system][name] <= 1.0, (system, name)
+            # the table's number is the mean of the per-example scores written next to it
+            per_example = [r["scores"][system][name] for r in records if name in r["scores"][system]]
+            assert per_example, (system, name)
+            assert metrics[system][name] == pytest.approx(sum(per_example) / len(per_example), abs=2e-6), (system, name)
         assert metrics[system]["loss"] > 0
         assert metrics[system]["perplexity"] == pytest.approx(math.exp(metrics[system]["loss"]), rel=1e-5)
     delta = metrics["delta_tuned_vs_base"]
@@ -151,17 +156,17 @@ def test_bad_holdout_line_is_one_clear_error(tiny_adapter: Path, tmp_path: Path)
     proc = subprocess.run([sys.executable, "-m", "reprotune.evaluate", "model=tiny_random", f"paths.root={tmp_path}",
                            f"paths.adapter={tiny_adapter / 'outputs/adapter'}"],
                           capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode != 0
-    assert f"eval: {holdout}:3: field 'messages' must be a list" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"{holdout}:3: messages: must be a list of at least 2 messages"
     assert "Traceback" not in proc.stderr
     assert earlier.read_text() == '{"earlier": 1}\n'
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("{not json", r":1: not valid JSON"),
+    ("{not json", r":1: json: not valid JSON"),
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]}',
-     r":1: field 'messages\[-1\].role' must be 'assistant'"),
-    ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', r":1: field 'messages\[0\]'"),
+     r":1: messages\[-1\].role: must be 'assistant'"),
+    ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', r":1: messages\[0\]: needs string"),
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "not json"}]}',
      r"example 1: the assistant reply is not a JSON object"),
 ])
@@ -169,14 +174,14 @@ def test_holdout_validation(line: str, message: str, tmp_path: Path) -> None:
     holdout = tmp_path / "data/prepared/holdout.jsonl"
     holdout.parent.mkdir(parents=True)
     holdout.write_text(line + "\n")
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ReprotuneError, match=message):
         evaluate(compose(["model=tiny_random", f"paths.root={tmp_path}"]))
     assert not (tmp_path / "outputs").exists()
 
 
 def test_missing_adapter_says_make_train(workspace: tuple[Path, list[str]]) -> None:
     _, overrides = workspace
-    with pytest.raises(SystemExit, match="run 'make train' first"):
+    with pytest.raises(ReprotuneError, match="adapter_config.json: file: not found; run 'make train' first"):
         evaluate(compose(["model=tiny_random", *overrides]))
 
 

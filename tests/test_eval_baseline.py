@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.evaluate import evaluate
 
 from .eval_support import ChatServer, eval_overrides, tiny_adapter  # noqa: F401 (fixture)
@@ -40,6 +41,7 @@ def baseline_args(url: str, *extra: str) -> list[str]:
             f"eval.baseline.system_prompt='{SYSTEM}'", "eval.baseline.max_retries=0", *extra]
 
 
+@pytest.mark.slow  # starts an OpenAI-compatible server on the tiny model
 def test_baseline_in_the_same_table(server: ChatServer, tiny_adapter: Path,  # noqa: F811
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, FAKE_KEY)
@@ -74,10 +76,11 @@ def test_baseline_in_the_same_table(server: ChatServer, tiny_adapter: Path,  # n
         assert FAKE_KEY.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow  # starts an OpenAI-compatible server on the tiny model
 def test_wrong_key_is_a_clear_error(server: ChatServer, tiny_adapter: Path,  # noqa: F811
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, "sk-wrong-key-000000")
-    with pytest.raises(SystemExit, match=rf"HTTP 401 .*\${KEY_ENV}") as err:
+    with pytest.raises(ReprotuneError, match=rf"HTTP 401 .*\${KEY_ENV}") as err:
         evaluate(compose(eval_overrides(tiny_adapter, "eval_wrong_key", *baseline_args(server.url))))
     assert "sk-wrong-key" not in str(err.value)
     assert not (tiny_adapter / "eval_wrong_key").exists()  # failed before any model pass or output
@@ -90,5 +93,5 @@ def test_unreachable_endpoint_is_a_clear_error(tiny_adapter: Path) -> None:  # n
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"
-    with pytest.raises(SystemExit, match=f"eval.baseline.url {url}: cannot connect"):
+    with pytest.raises(ReprotuneError, match=f"eval.baseline.url: {url}: cannot connect"):
         evaluate(compose(eval_overrides(tiny_adapter, "eval_down", *baseline_args(url, "eval.baseline.timeout_s=5"))))

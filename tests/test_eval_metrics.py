@@ -8,6 +8,7 @@ import pytest
 
 from reprotune import metrics as mx
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 
 REF = json.dumps({"supplier": "Acme Ltd", "invoice_number": "INV-00042", "date": "2024-03-01",
                   "currency": "EUR", "total": 1190.0, "tax": 190.0})
@@ -107,7 +108,7 @@ def test_builtin_invoice_task_config() -> None:
     ({"type": "text", "primary_metric": "bleu"}, "primary_metric"),
 ])
 def test_bad_task_config_names_the_key(task: dict, message: str) -> None:
-    with pytest.raises(mx.MetricConfigError, match=message):
+    with pytest.raises(ReprotuneError, match=message):
         mx.check_task(task)
 
 

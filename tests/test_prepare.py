@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
-from reprotune.formats import DataError
+from reprotune.errors import ReprotuneError
 from reprotune.invoices import generate
 from reprotune.prepare import example_key, prepare
 from tests.conftest import write_jsonl
@@ -148,7 +148,7 @@ def test_bad_input_leaves_earlier_outputs_intact(tmp_path: Path) -> None:
     before = snapshot(tmp_path)
     bad = tmp_path / "data/raw/bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{broken\n')
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ReprotuneError) as err:
         run(tmp_path, f"data.path={bad}")
     assert err.value.problems == [
         f"{bad}:1: messages: no assistant turn (nothing for the model to learn)",
@@ -170,7 +170,7 @@ def test_cli_reports_problems_without_traceback(tmp_path: Path) -> None:
 
 def test_nothing_left_to_train_on_is_a_data_error(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "data/raw/long.jsonl", long_conversations(4))
-    with pytest.raises(DataError, match=r"long.jsonl:0: data: no training examples left .*'dropped': 4"):
+    with pytest.raises(ReprotuneError, match=r"long.jsonl:0: data: no training examples left .*'dropped': 4"):
         run(tmp_path, "data.path=${paths.raw}/long.jsonl", "data.max_length=20")
     assert not (tmp_path / "data/prepared").exists()
 
@@ -182,7 +182,7 @@ def test_extra_keys_counted_and_invalid_records_skipped(tmp_path: Path, capsys: 
                             {"role": "robot", "content": "Jane Roe, 555-0100"}]}
     write_jsonl(tmp_path / "data/raw/chats.jsonl", rows)
     overrides = ("data.path=${paths.raw}/chats.jsonl", "data.scrub=true")
-    with pytest.raises(DataError, match=r'chats.jsonl:5: messages\[1\].role: unknown role "robot"'):
+    with pytest.raises(ReprotuneError, match=r'chats.jsonl:5: messages\[1\].role: unknown role "robot"'):
         run(tmp_path, *overrides)  # the default stays: an invalid record is an error
     report = run(tmp_path, *overrides, "data.on_invalid=skip")["report"]
     assert report["examples"]["read"] == 9 and report["examples"]["rejected"] == 1

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reprotune.formats import MAX_PROBLEMS_PER_FILE, DataError, read_dataset, read_file
+from reprotune.errors import ReprotuneError
+from reprotune.formats import MAX_PROBLEMS_PER_FILE, read_dataset, read_file
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello"}]
@@ -25,7 +26,7 @@ def jsonl(*rows: object) -> str:
 
 
 def problems_of(path: Path, fmt: str = "auto", **options: str) -> list[str]:
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ReprotuneError) as err:
         read_dataset(path, fmt, **options)
     return err.value.problems
 
@@ -325,7 +326,7 @@ def test_extra_keys_are_dropped_and_counted(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": "a", "trace_id": "t1"}, {"role": "assistant", "content": "b"}],
          "source": "x", "task": "qa"},
         {"instruction": "i", "output": "o", "source": "y"}, {"messages": CHAT, "id": 3, "source": "z"}))
-    with pytest.raises(DataError):
+    with pytest.raises(ReprotuneError):
         read_dataset(path)  # alpaca in a chat file is still wrong
     chat = write(tmp_path, "c.jsonl", jsonl(
         {"messages": [{"role": "user", "content": "a", "trace_id": "t1"}, {"role": "assistant", "content": "b"}],
@@ -351,7 +352,7 @@ def test_on_invalid_skip_rejects_records_with_reasons(tmp_path: Path) -> None:
 
 def test_total_counts_problems_past_the_cap(tmp_path: Path) -> None:
     write(tmp_path, "a.jsonl", "\n".join(["{bad"] * (MAX_PROBLEMS_PER_FILE + 238)))
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ReprotuneError) as err:
         read_dataset(tmp_path)
     assert err.value.total == MAX_PROBLEMS_PER_FILE + 238
     assert err.value.problems[-1].endswith("... and 238 more problems")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
-from reprotune.formats import DataError
+from reprotune.errors import ReprotuneError
 from reprotune.prepare import load_tokenizer, prepare
 from tests.conftest import TINY_TRAIN, write_jsonl
 
@@ -37,7 +37,7 @@ def cfg(root: Path, *overrides: str):
 
 def test_a_template_without_tools_stops_prepare_with_one_line(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "data/raw/tools.jsonl", tool_rows(6))
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ReprotuneError) as err:
         prepare(cfg(tmp_path))
     (line,) = err.value.problems
     assert line.startswith(f"{tmp_path}/data/raw/tools.jsonl:0: tools: 6 example(s) use tools, but "
@@ -86,7 +86,7 @@ def test_weight_zero_reply_is_left_out_of_the_loss(tmp_path: Path) -> None:
         learned = tokenizer.decode([t for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m])
         assert "Good answer 0." in learned and "old bad" not in learned, template
     # TRL's own training templates (model.training_chat_template=null) know nothing of weights: said, not ignored
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ReprotuneError) as err:
         prepare(cfg(tmp_path, "data.holdout_fraction=0", "model.training_chat_template=null"))
     assert "4 example(s) have assistant messages with weight 0, which need a training template" in err.value.problems[0]
 

@@ -44,6 +44,7 @@ def verify(manifest: Path, *overrides: str, capsys: pytest.CaptureFixture) -> tu
     return code, json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
 
 
+@pytest.mark.slow  # make verify re-runs stages in subprocesses
 def test_train_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixture) -> None:
     code, report = verify(run / "outputs/train/manifest.json", capsys=capsys)
     recorded = json.loads((run / "outputs/train/manifest.json").read_text())
@@ -53,6 +54,7 @@ def test_train_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixture)
     assert report["inputs_differ"] == {}, report["inputs_differ"]  # same machine, code, lock, data, config
 
 
+@pytest.mark.slow  # make verify re-runs stages in subprocesses
 def test_prepare_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixture) -> None:
     code, report = verify(run / "data/prepared/manifest.json", capsys=capsys)
     assert report["outputs"] == {name: "identical" for name in
@@ -60,6 +62,7 @@ def test_prepare_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixtur
     assert code == 0 and report["inputs_differ"] == {}
 
 
+@pytest.mark.slow  # make verify re-runs stages in subprocesses
 def test_changed_data_is_named(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # a copy of the recorded run whose raw data has since changed (one more invoice)
     copy = tmp_path / "run"
@@ -73,6 +76,7 @@ def test_changed_data_is_named(run: Path, tmp_path: Path, capsys: pytest.Capture
     assert report["inputs_differ"]["data"][0].startswith("raw_data: ")
 
 
+@pytest.mark.slow  # make verify re-runs stages in subprocesses
 def test_changed_config_is_named(run: Path, capsys: pytest.CaptureFixture) -> None:
     code, report = verify(run / "data/prepared/manifest.json", "data.holdout_fraction=0.5", capsys=capsys)
     assert code == 1

@@ -18,7 +18,7 @@ from .conftest import REPO
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="needs CUDA: strict GPU determinism is checked on a GPU machine (see README Reproducibility)")]
+    reason="needs CUDA: strict GPU determinism is checked on a GPU machine (see docs/reproducibility.md)")]
 
 # The model is the built-in one; a host without it (or a bigger check) names another and extra overrides, e.g.
 # REPROTUNE_GPU_TEST_ARGS="model=llama32_1b_random model.random_init.tokenizer_dir=/path/to/tokenizer"

@@ -76,6 +76,7 @@ def add_torn_checkpoints(ckpts: Path) -> list[Path]:
     return [torn, corrupt]
 
 
+@pytest.mark.slow  # three training processes, one killed mid-run
 def test_kill_9_then_rerun_is_byte_identical(uninterrupted: tuple[Path, dict], tmp_path: Path) -> None:
     straight_root, straight = uninterrupted
     root = make_root(tmp_path)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune.io import atomic_write_text
 
 # conf/ lives at the repository root (the project runs from its source tree, in the venv and in the image)
 CONF_DIR = Path(os.environ.get("REPROTUNE_CONF", Path(__file__).resolve().parents[2] / "conf")).resolve()
@@ -20,6 +23,18 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
+def library_keys(node: DictConfig, own: tuple[str, ...]) -> dict[str, Any]:
+    """A config group as keyword arguments for the library it configures (SFTConfig, LoraConfig,
+    BitsAndBytesConfig): every key but reprotune's own, resolved, passed through unchanged."""
+    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in own}
+
+
+def quantization(cfg: DictConfig) -> dict[str, Any] | None:
+    """method.quantization as BitsAndBytesConfig keyword arguments, or None when the base is not quantised."""
+    node = cfg.method.get("quantization")
+    return OmegaConf.to_container(node, resolve=True) if node else None
+
+
 PARAMS_HEADER = """\
 # GENERATED from conf/ (+ ARGS overrides) by every 'make <stage>' (python -m reprotune.config): the resolved
 # Hydra config that DVC tracks. dvc.yaml stages run with '--config-dir . --config-name params', so
@@ -29,8 +44,6 @@ PARAMS_HEADER = """\
 
 def dump_params(overrides: list[str], out: Path) -> None:
     """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
-    from omegaconf import OmegaConf
-
     composed = compose(overrides)
     # Resolved like DVC's own Hydra composition (dvc exp run -S), so both forms track the same values and
     # an interpolated key (train.max_length: ${data.max_length}) changes in params.yaml when its source does;
@@ -39,9 +52,7 @@ def dump_params(overrides: list[str], out: Path) -> None:
     cfg["paths"] = OmegaConf.to_container(composed.paths, resolve=False)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
            "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(PARAMS_HEADER + OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    os.replace(tmp, out)
+    atomic_write_text(out, PARAMS_HEADER + OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from reprotune.errors import ReprotuneError
+
 log = logging.getLogger("reprotune.distributed")
 
 
@@ -109,7 +111,7 @@ def trainer_arguments(cfg: DictConfig, size: int) -> dict[str, Any]:
         # LoRA leaves every frozen weight without a gradient: no unused-parameter search per step
         return {"ddp_find_unused_parameters": False}
     if chosen != "none":
-        raise SystemExit(f"train: hardware.distributed must be auto, ddp or fsdp2, not {chosen!r}")
+        raise ReprotuneError(f"hardware.distributed: must be auto, ddp or fsdp2, not {chosen!r}")
     return {}
 
 

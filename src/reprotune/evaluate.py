@@ -19,7 +19,6 @@ Read top to bottom: settings -> data -> model -> generate / loss -> baseline -> 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -34,7 +33,11 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune import metrics as mx
-from reprotune.config import CONF_DIR
+from reprotune.config import CONF_DIR, quantization
+from reprotune.errors import ReprotuneError, user_errors
+from reprotune.io import atomic_write_text, iter_jsonl, jsonl_text, save_figure
+from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
 
 log = logging.getLogger("reprotune.evaluate")
 
@@ -47,20 +50,13 @@ OUTPUT_FILES = {"metrics": "metrics.json", "predictions": "predictions.jsonl", "
                 "comparison_plot": "comparison.png"}
 
 
-class EvalInputError(SystemExit):
-    """Bad input (holdout, adapter, task config, baseline endpoint): one clear line, non-zero exit."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"eval: {message}")
-
-
 # ----------------------------------------------------------------------------------------------- settings
 def resolve_batch_size(cfg: DictConfig, device: str) -> int:
     size = cfg.eval.batch_size
     if size == "auto":
         return AUTO_BATCH_SIZE.get(device, 8)
     if not isinstance(size, int) or size < 1:
-        raise EvalInputError(f"eval.batch_size must be a positive integer or 'auto', not {size!r}")
+        raise ReprotuneError(f"eval.batch_size: must be a positive integer or 'auto', not {size!r}")
     return size
 
 
@@ -74,32 +70,23 @@ class Example:
 
 def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
     """Validate while reading: a bad line is reported by file, line number and field."""
-    if not path.is_file():
-        raise EvalInputError(f"{path} not found; run 'make prepare' first")
     examples: list[Example] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise EvalInputError(f"{where}: not valid JSON ({err.msg})") from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list) or len(messages) < 2:
-                raise EvalInputError(f"{where}: field 'messages' must be a list of at least 2 messages")
-            for i, msg in enumerate(messages):
-                if not (isinstance(msg, dict) and isinstance(msg.get("role"), str)
-                        and isinstance(msg.get("content"), str)):
-                    raise EvalInputError(f"{where}: field 'messages[{i}]' needs string 'role' and 'content'")
-            if messages[-1]["role"] != "assistant":
-                raise EvalInputError(f"{where}: field 'messages[-1].role' must be 'assistant' (the reference)")
-            examples.append(Example(len(examples), messages[:-1], messages[-1]["content"]))
-            if max_examples and len(examples) >= max_examples:
-                break
+    for lineno, row in iter_jsonl(path, "run 'make prepare' first"):
+        where = f"{path}:{lineno}"
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or len(messages) < 2:
+            raise ReprotuneError(f"{where}: messages: must be a list of at least 2 messages")
+        for i, msg in enumerate(messages):
+            if not (isinstance(msg, dict) and isinstance(msg.get("role"), str)
+                    and isinstance(msg.get("content"), str)):
+                raise ReprotuneError(f"{where}: messages[{i}]: needs string 'role' and 'content'")
+        if messages[-1]["role"] != "assistant":
+            raise ReprotuneError(f"{where}: messages[-1].role: must be 'assistant' (the reference)")
+        examples.append(Example(len(examples), messages[:-1], messages[-1]["content"]))
+        if max_examples and len(examples) >= max_examples:
+            break
     if not examples:
-        raise EvalInputError(f"{path} holds no examples")
+        raise ReprotuneError(f"{path}:1: file: holds no examples")
     return examples
 
 
@@ -109,7 +96,7 @@ def check_references(examples: Sequence[Example], task: dict, path: Path) -> Non
         return
     for ex in examples:
         if mx.parse_json_object(ex.reference) is None:
-            raise EvalInputError(f"{path}: example {ex.index + 1}: the assistant reply is not a JSON object, "
+            raise ReprotuneError(f"{path}: example {ex.index + 1}: the assistant reply is not a JSON object, "
                                  "but data.task.type is json")
 
 
@@ -117,21 +104,15 @@ def check_references(examples: Sequence[Example], task: dict, path: Path) -> Non
 def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
     """The base model once, with the adapter on top: disable_adapter() gives the base back for its pass."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from reprotune.models import resolve_model_dir
-    from reprotune.train import load_base_model
 
     adapter_dir = Path(cfg.paths.adapter)
     if not (adapter_dir / "adapter_config.json").is_file():
-        raise EvalInputError(f"no adapter in {adapter_dir}; run 'make train' first")
+        raise ReprotuneError(f"{adapter_dir / 'adapter_config.json'}: file: not found; run 'make train' first")
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     # the adapter directory carries the exact tokenizer and chat template the adapter was trained with
-    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(adapter_dir)
     base = load_base_model(model_dir, cfg, device, dtype)
-    if not cfg.method.load_in_4bit:
+    if not quantization(cfg):
         base = base.to(device)
     model = PeftModel.from_pretrained(base, adapter_dir)
     model.eval()
@@ -281,7 +262,7 @@ def run_baseline(cfg: DictConfig, examples: Sequence[Example]) -> SystemRun:
 
     b = cfg.eval.baseline
     if not b.model:
-        raise EvalInputError("eval.baseline.model must name the model the endpoint serves")
+        raise ReprotuneError("eval.baseline.model: must name the model the endpoint serves")
     # local servers ignore the key but the client insists on one; a real key only ever comes from the env
     key = os.environ.get(b.api_key_env or "", "") or "no-key"
     client = openai.OpenAI(base_url=b.url, api_key=key, timeout=float(b.timeout_s), max_retries=int(b.max_retries))
@@ -300,9 +281,9 @@ def run_baseline(cfg: DictConfig, examples: Sequence[Example]) -> SystemRun:
             answers = list(tqdm(pool.map(ask, examples), total=len(examples), desc="prompt baseline",
                                 unit="example"))
     except openai.APIConnectionError as err:
-        raise EvalInputError(f"eval.baseline.url {b.url}: cannot connect ({err.__cause__ or err})") from None
+        raise ReprotuneError(f"eval.baseline.url: {b.url}: cannot connect ({err.__cause__ or err})") from None
     except openai.APIStatusError as err:
-        raise EvalInputError(f"eval.baseline.url {b.url}: HTTP {err.status_code} for model "
+        raise ReprotuneError(f"eval.baseline.url: {b.url}: HTTP {err.status_code} for model "
                              f"{b.model!r}; check eval.baseline.model and ${b.api_key_env}") from None
     run = SystemRun([a for a, _ in answers], [n for _, n in answers])
     run.seconds = time.time() - started
@@ -404,7 +385,7 @@ def write_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], records: 
                   "| " + " | ".join([_cell(r["reference"]), *(_cell(r["predictions"][x]) for x in systems)]) + " |",
                   ""]
     text = "\n".join(parts) + "\n"
-    _atomic_write_text(path, text)
+    atomic_write_text(path, text)
     return table
 
 
@@ -440,20 +421,12 @@ def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) ->
     for ax in axes[0]:
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, metadata={"Software": None})  # no version stamp: same numbers, same bytes
+    save_figure(fig, out)
     plt.close(fig)
-    os.replace(tmp, out)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def write_predictions(path: Path, records: list[dict]) -> None:
-    _atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
+    atomic_write_text(path, jsonl_text(records, sort_keys=True))
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -461,14 +434,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from reprotune import manifest as mf
-    from reprotune.train import resolve_device, resolve_dtype, set_reproducibility
 
     started = time.time()
     task = OmegaConf.to_container(cfg.data.task, resolve=True)
-    try:
-        mx.check_task(task)
-    except mx.MetricConfigError as err:
-        raise EvalInputError(str(err)) from None
+    mx.check_task(task)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     set_reproducibility(cfg, device)
@@ -545,7 +514,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    with user_errors():
+        evaluate(cfg)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reprotune.errors import ReprotuneError
+
 FORMATS = ("chat", "chat_json", "sharegpt", "alpaca", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -45,16 +47,6 @@ SUFFIXES = (".jsonl", ".json")
 MAX_PROBLEMS_PER_FILE = 50
 EXTRA_KEYS = ("drop", "error")
 ON_INVALID = ("error", "skip")
-
-
-class DataError(Exception):
-    """The input data is unusable; ``problems`` holds one ``file:line: field: what`` line each (capped per
-    file), ``total`` counts every problem, the capped ones too."""
-
-    def __init__(self, problems: list[str], total: int | None = None):
-        super().__init__("\n".join(problems))
-        self.problems = problems
-        self.total = len([p for p in problems if not p.endswith(" more problems")]) if total is None else total
 
 
 @dataclass
@@ -110,13 +102,13 @@ class _Problems:
 def list_input_files(path: Path) -> list[Path]:
     """The files a data.path names: the file itself, or every *.jsonl/*.json under a folder, sorted."""
     if not path.exists():
-        raise DataError([f"{path}:0: path: no such file or directory (set data.path=<file or folder>)"])
+        raise ReprotuneError([f"{path}:0: path: no such file or directory (set data.path=<file or folder>)"])
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
-        raise DataError([f"{path}:0: path: folder holds no .jsonl or .json files"])
+        raise ReprotuneError([f"{path}:0: path: folder holds no .jsonl or .json files"])
     return files
 
 
@@ -576,15 +568,15 @@ def _finish(result: FileResult, problems: _Problems, reader: _Reader, on_invalid
 
 def read_dataset(path: Path, forced: str = "auto", extra_keys: str = "drop",
                  on_invalid: str = "error") -> list[FileResult]:
-    """Every file under data.path, read and validated; raises DataError with all problems of all files."""
+    """Every file under data.path, read and validated; raises ReprotuneError with all problems of all files."""
     if forced not in ("auto", *FORMATS):
-        raise DataError([f"{path}:0: data.format: unknown format {forced!r} (auto, {', '.join(FORMATS)})"])
+        raise ReprotuneError([f"{path}:0: data.format: unknown format {forced!r} (auto, {', '.join(FORMATS)})"])
     if extra_keys not in EXTRA_KEYS:
-        raise DataError([f"{path}:0: data.extra_keys: unknown policy {extra_keys!r} ({', '.join(EXTRA_KEYS)})"])
+        raise ReprotuneError([f"{path}:0: data.extra_keys: unknown policy {extra_keys!r} ({', '.join(EXTRA_KEYS)})"])
     if on_invalid not in ON_INVALID:
-        raise DataError([f"{path}:0: data.on_invalid: unknown policy {on_invalid!r} ({', '.join(ON_INVALID)})"])
+        raise ReprotuneError([f"{path}:0: data.on_invalid: unknown policy {on_invalid!r} ({', '.join(ON_INVALID)})"])
     results = [read_file(p, forced, extra_keys, on_invalid) for p in list_input_files(path)]
     problems = [line for r in results for line in r.problems]
     if problems:
-        raise DataError(problems, total=sum(r.total_problems for r in results))
+        raise ReprotuneError(problems, total=sum(r.total_problems for r in results))
     return results

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 from reprotune import llamacpp
 from reprotune import modelfile as mfile
 from reprotune.config import CONF_DIR
-from reprotune.merge import ExportError, publish_dir, read_holdout
+from reprotune.errors import ReprotuneError, user_errors
+from reprotune.io import fresh_dir, read_conversations, swap_dir
+from reprotune.models import load_float32, load_tokenizer
 
 log = logging.getLogger("reprotune.gguf")
 
@@ -53,7 +54,7 @@ def quant_list(cfg: DictConfig) -> list[str]:
         if not hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{q}"):
             known = sorted(k.removeprefix("LLAMA_FTYPE_MOSTLY_") for k in dir(llama_cpp)
                            if k.startswith("LLAMA_FTYPE_MOSTLY_"))
-            raise ExportError(f"gguf: export.quant: unknown llama.cpp type {q!r} (known: {', '.join(known)})")
+            raise ReprotuneError(f"gguf: export.quant: unknown llama.cpp type {q!r} (known: {', '.join(known)})")
     return quants
 
 
@@ -80,12 +81,12 @@ def convert(src: Path, merged: Path, out: Path, outtype: str) -> None:
     text = captured.decode("utf-8", errors="replace")
     if "pre-tokenizer was not recognized" in text:
         chk = llamacpp.CHKHSH_RE.search(text)
-        raise ExportError(
+        raise ReprotuneError(
             f"gguf: llama.cpp {llamacpp.version()} does not know the pre-tokenizer of {merged}/tokenizer.json "
             f"(chkhsh {chk.group(1) if chk else '?'}); a GGUF with a guessed pre-tokenizer would tokenize "
             "differently from training. Use a llama.cpp that lists this tokenizer (lockfiles/llama-cpp.txt)")
     last = [line for line in text.splitlines() if line.strip()][-1:] or ["(no output)"]
-    raise ExportError(f"gguf: convert_hf_to_gguf.py failed on {merged}: {last[0]}")
+    raise ReprotuneError(f"gguf: convert_hf_to_gguf.py failed on {merged}: {last[0]}")
 
 
 def load_vocab(path: Path):
@@ -108,7 +109,7 @@ def check_loads_cleanly(path: Path) -> dict[str, Any]:
         vocab = _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
     bad = llamacpp.degrading_warnings(lines)
     if bad:
-        raise ExportError(f"gguf: llama.cpp warns about {path.name}: {bad[0]}")
+        raise ReprotuneError(f"gguf: llama.cpp warns about {path.name}: {bad[0]}")
     eog = eog_ids(vocab)
     vocab.close()
     return {"warnings": llamacpp.warnings_of(lines), "eog_ids": eog}
@@ -145,7 +146,7 @@ def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
     bar.close()
     if rc != 0:
         errors = llamacpp.warnings_of(lines) or ["(no message)"]
-        raise ExportError(f"gguf: quantizing {src_gguf.name} to {quant} failed: {errors[-1]}")
+        raise ReprotuneError(f"gguf: quantizing {src_gguf.name} to {quant} failed: {errors[-1]}")
 
 
 # ----------------------------------------------------------------------------------------------- parity
@@ -166,7 +167,7 @@ def check_template_and_tokens(vocab, tokenizer, prompts: list[list[dict]], name:
 
     template = vocab.metadata().get("tokenizer.chat_template")
     if not template:
-        raise ExportError(f"gguf: {name} carries no chat template (tokenizer.chat_template)")
+        raise ReprotuneError(f"gguf: {name} carries no chat template (tokenizer.chat_template)")
     formatter = Jinja2ChatFormatter(template=template, eos_token=tokenizer.eos_token or "",
                                     bos_token=tokenizer.bos_token or "", add_generation_prompt=True)
     ids = []
@@ -175,13 +176,13 @@ def check_template_and_tokens(vocab, tokenizer, prompts: list[list[dict]], name:
         hf_ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                     return_dict=True)["input_ids"])
         if formatter(messages=messages).prompt != text:
-            raise ExportError(f"gguf: {name}: its chat template renders holdout prompt {n} differently from "
+            raise ReprotuneError(f"gguf: {name}: its chat template renders holdout prompt {n} differently from "
                               "the HF tokenizer's chat template")
         cpp_ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         if cpp_ids != hf_ids:
             at = next((i for i, (a, b) in enumerate(zip(cpp_ids, hf_ids, strict=False)) if a != b),
                       min(len(cpp_ids), len(hf_ids)))
-            raise ExportError(f"gguf: {name}: llama.cpp tokenizes holdout prompt {n} differently from the HF "
+            raise ReprotuneError(f"gguf: {name}: llama.cpp tokenizes holdout prompt {n} differently from the HF "
                               f"tokenizer (first difference at token {at}: {cpp_ids[at:at + 3]} vs {hf_ids[at:at + 3]})")
         ids.append(hf_ids)
     return ids
@@ -211,9 +212,8 @@ def greedy_hf(merged_dir: Path, prompt_ids: list[list[int]], max_new: int, eog: 
     Each answer ends at its first end-of-generation token; what follows it in a batch row is padding."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    model = load_float32(merged_dir)
     outputs: list[list[int]] = [[] for _ in prompt_ids]
     order = sorted(range(len(prompt_ids)), key=lambda i: (-len(prompt_ids[i]), i))  # similar lengths together
     batches = [order[i:i + HF_BATCH] for i in range(0, len(order), HF_BATCH)]
@@ -239,7 +239,7 @@ def greedy_subset(cfg: DictConfig, n_prompts: int) -> int:
     if examples == "all":
         return n_prompts
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
-        raise ExportError(f"gguf: export.parity.examples must be a positive number or 'all', not {examples!r}")
+        raise ReprotuneError(f"export.parity.examples: must be a positive number or 'all', not {examples!r}")
     return min(int(examples), n_prompts)
 
 
@@ -266,27 +266,24 @@ def type_mix(info: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- main
 def gguf(cfg: DictConfig) -> dict[str, Any]:
     from llama_cpp import Llama
-    from transformers import AutoTokenizer
 
     from reprotune import manifest as mf
 
     started = time.time()
     merged = Path(cfg.paths.merged)
     if not (merged / "config.json").is_file():
-        raise ExportError(f"gguf: {merged}/config.json not found; run 'make merge' first")
+        raise ReprotuneError(f"gguf: {merged}/config.json not found; run 'make merge' first")
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
     n_threads = threads(cfg)
     outtype = str(cfg.export.outtype)
     if outtype not in OUTTYPE_NAME:
-        raise ExportError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
-    tokenizer = AutoTokenizer.from_pretrained(merged)
-    prompts = prompts_of(read_holdout(cfg))
+        raise ReprotuneError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
+    tokenizer = load_tokenizer(merged)
+    prompts = prompts_of(read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first"))
 
     final = Path(cfg.paths.gguf)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_dir(final)
     timing: dict[str, float] = {}
 
     # 1. convert, then let llama.cpp load it and say whether anything degrades generation
@@ -299,7 +296,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     gen_eos = json.loads((merged / "generation_config.json").read_text()).get("eos_token_id")
     missing = [e for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []) if e not in eog]
     if missing:
-        raise ExportError(f"gguf: {base_name}: llama.cpp does not stop on eos id(s) {missing} of "
+        raise ReprotuneError(f"gguf: {base_name}: llama.cpp does not stop on eos id(s) {missing} of "
                           f"{merged}/generation_config.json; answers would never end")
 
     # 2. quantize
@@ -334,7 +331,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         info = llamacpp.gguf_info(src, tmp / filename)
         report["type_mix"][name] = type_mix(info)
         if info["metadata"]["tokenizer.ggml.pre"] in (None, "default"):
-            raise ExportError(f"gguf: {filename} has no pre-tokenizer type; llama.cpp would guess")
+            raise ReprotuneError(f"gguf: {filename} has no pre-tokenizer type; llama.cpp would guess")
         vocab = load_vocab(tmp / filename)
         prompt_ids = check_template_and_tokens(vocab, tokenizer, prompts, filename)
         vocab.close()
@@ -360,7 +357,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     (tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, mfile.go_template(pieces), stops, system))
     report["modelfile"] = {"from": serve_name, "stop": stops, "system": system}
     mf.write_json(tmp / "parity.json", report)
-    publish_dir(tmp, final)
+    swap_dir(tmp, final)
 
     root = Path(cfg.paths.root)
     manifest_path = Path(cfg.paths.export_dir) / "gguf_manifest.json"
@@ -399,7 +396,8 @@ def print_summary(report: dict[str, Any], files: dict[str, str], timing: dict[st
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    gguf(cfg)
+    with user_errors():
+        gguf(cfg)
 
 
 if __name__ == "__main__":

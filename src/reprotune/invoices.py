@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 from datetime import date, timedelta
 from pathlib import Path
+
+from reprotune.io import atomic_write_text, jsonl_text
 
 SYSTEM_PROMPT = (
     "Extract the invoice fields. Answer with one JSON object with the keys supplier, invoice_number, "
@@ -121,12 +122,7 @@ def generate(n: int, seed: int) -> list[dict]:
 
 def write_jsonl(examples: list[dict], out: Path) -> None:
     """Write atomically: a temp file in the same folder, then rename, so a crash leaves the old file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
-        for example in examples:
-            fh.write(json.dumps(example, ensure_ascii=False, sort_keys=False) + "\n")
-    os.replace(tmp, out)
+    atomic_write_text(out, jsonl_text(examples))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from reprotune.errors import ReprotuneError
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "build_llama_cpp.sh"
 
@@ -37,10 +39,6 @@ DEGRADING_WARNINGS = (
 )
 
 
-class LlamaCppError(SystemExit):
-    """A one-line failure about the llama.cpp toolchain (exit status 1, no traceback)."""
-
-
 def source_dir(configured: str | None = None) -> Path:
     """The vendored llama.cpp tree (convert_hf_to_gguf.py, gguf-py); builds and installs it on first use."""
     if configured:
@@ -49,10 +47,10 @@ def source_dir(configured: str | None = None) -> Path:
         env = dict(os.environ, VENV=str(Path(sys.prefix)))
         proc = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, env=env, text=True)
         if proc.returncode != 0:
-            raise LlamaCppError(f"gguf: {BUILD_SCRIPT.name} failed (exit {proc.returncode}); see its output above")
+            raise ReprotuneError(f"gguf: {BUILD_SCRIPT.name} failed (exit {proc.returncode}); see its output above")
         path = Path(proc.stdout.strip().splitlines()[-1])
     if not (path / "convert_hf_to_gguf.py").is_file():
-        raise LlamaCppError(f"gguf: {path} is not a llama.cpp source tree (no convert_hf_to_gguf.py)")
+        raise ReprotuneError(f"gguf: {path} is not a llama.cpp source tree (no convert_hf_to_gguf.py)")
     return path
 
 
@@ -100,31 +98,14 @@ def warnings_of(lines: list[tuple[int, str]]) -> list[str]:
 
 
 def gguf_info(src: Path, gguf: Path) -> dict[str, Any]:
-    """Tensor type mix and tokenizer metadata of a GGUF, read with the vendored gguf-py (in a subprocess,
-    so that it never shadows the PyPI gguf that transformers uses in this process)."""
-    code = r"""
-import collections, json, sys
-sys.path.insert(0, sys.argv[1])
-from gguf import GGUFReader
-r = GGUFReader(sys.argv[2])
-mix = collections.Counter(); size = collections.Counter()
-for t in r.tensors:
-    mix[t.tensor_type.name] += 1; size[t.tensor_type.name] += int(t.n_bytes)
-def field(name):
-    f = r.fields.get(name)
-    if f is None: return None
-    v = f.contents()
-    return v
-keys = ["general.architecture", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
-        "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token",
-        "tokenizer.chat_template"]
-print(json.dumps({"tensors": len(r.tensors), "type_counts": dict(mix), "type_bytes": dict(size),
-                  "metadata": {k: field(k) for k in keys}}))
-"""
-    proc = subprocess.run([sys.executable, "-c", code, str(src / "gguf-py"), str(gguf)],
-                          capture_output=True, text=True)
+    """Tensor type mix and tokenizer metadata of a GGUF, read with the vendored gguf-py (reprotune.gguf_inspect,
+    in a subprocess, so that it never shadows the PyPI gguf that transformers uses in this process)."""
+    package_root = str(Path(__file__).resolve().parents[1])  # this checkout's src/, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "reprotune.gguf_inspect", str(src / "gguf-py"), str(gguf)],
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise LlamaCppError(f"gguf: cannot read {gguf}: {proc.stderr.strip().splitlines()[-1:]}")
+        raise ReprotuneError(f"gguf: cannot read {gguf}: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout)
 
 

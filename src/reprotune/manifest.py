@@ -19,6 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from reprotune.io import atomic_write_text
+
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY",
                    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REPROTUNE_BASELINE_API_KEY")
 SECRET_KEY_RE = re.compile(r"(token|secret|password|api_key|apikey|access_key)", re.IGNORECASE)
@@ -219,8 +221,4 @@ def _src_version() -> str:
 
 def write_json(path: Path, payload: Any) -> None:
     """Write JSON atomically (temp file + rename) with secrets scrubbed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(redact(payload), indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(Path(path), json.dumps(redact(payload), indent=2, sort_keys=True, default=str) + "\n")

@@ -30,37 +30,18 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune.config import CONF_DIR
+from reprotune.config import CONF_DIR, quantization
+from reprotune.errors import ReprotuneError, user_errors
+from reprotune.io import read_conversations, swap_dir, tmp_path
+from reprotune.models import load_float32, load_tokenizer, resolve_model_dir
 
 log = logging.getLogger("reprotune.merge")
-
-
-class ExportError(SystemExit):
-    """A one-line, user-facing failure of an export stage (exit status 1, no traceback)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 # ------------------------------------------------------------------------------------------------ inputs
 def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]]:
     """Holdout conversations (lists of messages), in file order."""
-    path = Path(cfg.paths.prepared) / "holdout.jsonl"
-    if not path.is_file():
-        raise ExportError(f"export: {path} not found; run 'make prepare' first")
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ExportError(f"export: {path}:{lineno}: field 'messages': {err}") from None
-            rows.append(messages)
-    if not rows:
-        raise ExportError(f"export: {path} holds no conversations")
-    return rows
+    return read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first")
 
 
 def check_adapter(adapter_dir: Path, model_cfg: Any) -> None:
@@ -69,12 +50,12 @@ def check_adapter(adapter_dir: Path, model_cfg: Any) -> None:
 
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
         if not (adapter_dir / name).is_file():
-            raise ExportError(f"merge: {adapter_dir / name} not found; run 'make train' first")
+            raise ReprotuneError(f"{adapter_dir / name}: file: not found; run 'make train' first")
     recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     expected = base_identity(model_cfg)[0]
     if recorded != expected:
-        raise ExportError(f"merge: {adapter_dir}/adapter_config.json: base_model_name_or_path: the adapter was "
-                          f"trained on {recorded}, but model= is {expected}")
+        raise ReprotuneError(f"{adapter_dir}/adapter_config.json: base_model_name_or_path: the adapter was "
+                             f"trained on {recorded}, but model= is {expected}")
 
 
 def save_dtype(cfg: DictConfig, model_dir: str) -> str:
@@ -85,15 +66,6 @@ def save_dtype(cfg: DictConfig, model_dir: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ models
-def load_full_precision_base(model_dir: str, cfg: DictConfig):
-    """The base in float32 and unquantised, also for QLoRA (see the module docstring)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, revision=cfg.model.revision,
-                                                trust_remote_code=cfg.model.trust_remote_code).eval()
-
-
 def parity_batches(tokenizer, conversations: list[list[dict]]) -> list[Any]:
     """Each whole conversation (prompt and answer) rendered with the inference chat template."""
     return [tokenizer.apply_chat_template(c, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
@@ -130,16 +102,6 @@ def write_generation_config(model, tokenizer, out: Path) -> None:
     gen.save_pretrained(out)
 
 
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Swap a finished directory in: a crash never leaves a half-written output."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def base_model_record(model_dir: str) -> dict[str, Any]:
     """The base model as a manifest input: a local directory by its absolute path and content digest."""
     from reprotune import manifest as mf
@@ -153,10 +115,8 @@ def base_model_record(model_dir: str) -> dict[str, Any]:
 def merge(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from reprotune import manifest as mf
-    from reprotune.models import resolve_model_dir
 
     started = time.time()
     adapter_dir = Path(cfg.paths.adapter)
@@ -167,12 +127,12 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
 
     # the adapter dir holds the tokenizer and the chat template the model was trained and evaluated with
-    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    tokenizer = load_tokenizer(adapter_dir)
     batches = parity_batches(tokenizer, conversations)
 
     log.info("loading %s in float32 + adapter %s", model_dir, adapter_dir)
     t0 = time.time()
-    peft_model = PeftModel.from_pretrained(load_full_precision_base(model_dir, cfg), adapter_dir).eval()
+    peft_model = PeftModel.from_pretrained(load_float32(model_dir, cfg.model), adapter_dir).eval()
     reference = logits_of(peft_model, batches)
     with peft_model.disable_adapter():  # how far the adapter moves the base: the scale of a wrong merge
         adapter_effect = compare_logits(reference, logits_of(peft_model, batches))
@@ -180,11 +140,11 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     fp32 = compare_logits(reference, logits_of(merged, batches))
     merge_seconds = time.time() - t0
     if fp32["max_abs_diff"] > float(cfg.export.merge.fp32_atol):
-        raise ExportError(f"merge: merged logits differ from base + adapter by {fp32['max_abs_diff']:.3g} "
-                          f"(> export.merge.fp32_atol={cfg.export.merge.fp32_atol}); the merge is wrong")
+        raise ReprotuneError(f"export.merge.fp32_atol: merged logits differ from base + adapter by "
+                             f"{fp32['max_abs_diff']:.3g} (> {cfg.export.merge.fp32_atol}); the merge is wrong")
 
     final = Path(cfg.paths.merged)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = tmp_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     merged.to(getattr(torch, dtype)).save_pretrained(tmp)
@@ -194,7 +154,7 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     del peft_model, merged
 
     # what ships is the saved file, so compare that (reloaded, upcast to float32) with base + adapter
-    saved_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    saved_model = load_float32(tmp)
     saved = compare_logits(reference, logits_of(saved_model, batches))
     del saved_model
     min_top1 = float(cfg.export.merge.min_top1_agreement)
@@ -206,15 +166,15 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
         "fp32_merge": {**fp32, "tolerance_max_abs_diff": float(cfg.export.merge.fp32_atol), "passed": True},
         "saved": {**saved, "dtype": dtype, "min_top1_agreement": min_top1,
                   "passed": saved["top1_agreement"] >= min_top1},
-        "qlora_merged_into_full_precision": bool(cfg.method.load_in_4bit),
+        "qlora_merged_into_full_precision": bool(quantization(cfg)),
     }
     mf.write_json(tmp / "parity.json", parity)
     if not parity["saved"]["passed"]:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"merge: the {dtype} merged model picks the same next token as base + adapter at only "
-                          f"{saved['top1_agreement']:.3f} of positions (< export.merge.min_top1_agreement="
-                          f"{min_top1}); try export.dtype=float32")
-    publish_dir(tmp, final)
+        raise ReprotuneError(f"export.merge.min_top1_agreement: the {dtype} merged model picks the same next token "
+                             f"as base + adapter at only {saved['top1_agreement']:.3f} of positions (< {min_top1}); "
+                             "try export.dtype=float32")
+    swap_dir(tmp, final)
 
     root = Path(cfg.paths.root)
     manifest_path = Path(cfg.paths.export_dir) / "merge_manifest.json"
@@ -239,7 +199,8 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    merge(cfg)
+    with user_errors():
+        merge(cfg)
 
 
 if __name__ == "__main__":

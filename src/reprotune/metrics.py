@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
+from reprotune.errors import ReprotuneError
+
 JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
     "array": (list,), "object": (dict,), "null": (type(None),),
@@ -30,10 +32,6 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
 # markdown code fences around a JSON answer are formatting, not content: chat models add them unprompted
 FENCE_RE = re.compile(r"^```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?```$", re.DOTALL)
 CUSTOM_KINDS = ("json_field", "exact", "regex")
-
-
-class MetricConfigError(ValueError):
-    """data.task (type, fields, field_types, metrics) is not something this module can score."""
 
 
 # --------------------------------------------------------------------------------------------- json tasks
@@ -69,7 +67,7 @@ def json_scores(prediction: str, reference: str, fields: Sequence[str],
                 field_types: Mapping[str, str] | None = None) -> dict[str, float]:
     ref = parse_json_object(reference)
     if ref is None:
-        raise MetricConfigError(f"reference is not a JSON object: {reference[:80]!r}")
+        raise ReprotuneError(f"reference is not a JSON object: {reference[:80]!r}")
     pred = parse_json_object(prediction)
     fields = list(fields) or sorted(ref)
     types = dict(field_types or {})
@@ -130,7 +128,7 @@ def _normalize(text: str, how: str) -> str:
         return text.strip()
     if how == "lower":
         return " ".join(text.lower().split())
-    raise MetricConfigError(f"exact metric: normalize must be strip|lower|none, not {how!r}")
+    raise ReprotuneError(f"exact metric: normalize must be strip|lower|none, not {how!r}")
 
 
 def _regex_value(pattern: re.Pattern, text: str) -> str | None:
@@ -155,40 +153,40 @@ def custom_score(spec: Mapping[str, Any], prediction: str, reference: str) -> fl
         wanted = [spec["field"]] if "field" in spec else list(spec["fields"])
         pred, ref = parse_json_object(prediction) or {}, parse_json_object(reference) or {}
         return float(all(f in pred and f in ref and _same_value(pred[f], ref[f]) for f in wanted))
-    raise MetricConfigError(f"unknown metric kind {kind!r} (one of {', '.join(CUSTOM_KINDS)})")
+    raise ReprotuneError(f"unknown metric kind {kind!r} (one of {', '.join(CUSTOM_KINDS)})")
 
 
 def check_task(task: Mapping[str, Any]) -> None:
     """Fail before any model runs if data.task cannot be scored; the message names the bad key."""
     if task.get("type") not in ("json", "text"):
-        raise MetricConfigError(f"data.task.type must be 'json' or 'text', not {task.get('type')!r}")
+        raise ReprotuneError(f"data.task.type must be 'json' or 'text', not {task.get('type')!r}")
     if task["type"] == "json" and not task.get("fields"):
-        raise MetricConfigError("data.task.fields: a json task must list the fields to score")
+        raise ReprotuneError("data.task.fields: a json task must list the fields to score")
     for field, type_name in (task.get("field_types") or {}).items():
         if type_name != "any" and type_name not in JSON_TYPES:
-            raise MetricConfigError(f"data.task.field_types.{field}: unknown type {type_name!r} "
+            raise ReprotuneError(f"data.task.field_types.{field}: unknown type {type_name!r} "
                                     f"(one of any, {', '.join(JSON_TYPES)})")
     names = set()
     for i, spec in enumerate(task.get("metrics") or []):
         where = f"data.task.metrics[{i}]"
         if not isinstance(spec, Mapping) or "name" not in spec or "kind" not in spec:
-            raise MetricConfigError(f"{where}: needs 'name' and 'kind'")
+            raise ReprotuneError(f"{where}: needs 'name' and 'kind'")
         if spec["name"] in names:
-            raise MetricConfigError(f"{where}: duplicate metric name {spec['name']!r}")
+            raise ReprotuneError(f"{where}: duplicate metric name {spec['name']!r}")
         names.add(spec["name"])
         if spec["kind"] not in CUSTOM_KINDS:
-            raise MetricConfigError(f"{where}: unknown kind {spec['kind']!r} (one of {', '.join(CUSTOM_KINDS)})")
+            raise ReprotuneError(f"{where}: unknown kind {spec['kind']!r} (one of {', '.join(CUSTOM_KINDS)})")
         if spec["kind"] == "regex":
             try:
                 re.compile(spec.get("pattern") or "")
             except re.error as err:
-                raise MetricConfigError(f"{where}: bad regex {spec.get('pattern')!r}: {err}") from None
+                raise ReprotuneError(f"{where}: bad regex {spec.get('pattern')!r}: {err}") from None
             if not spec.get("pattern") or spec.get("mode", "match") not in ("match", "extract"):
-                raise MetricConfigError(f"{where}: regex needs 'pattern' and mode match|extract")
+                raise ReprotuneError(f"{where}: regex needs 'pattern' and mode match|extract")
         if spec["kind"] == "json_field" and not ("field" in spec or spec.get("fields")):
-            raise MetricConfigError(f"{where}: json_field needs 'field' or 'fields'")
+            raise ReprotuneError(f"{where}: json_field needs 'field' or 'fields'")
     if task.get("primary_metric") and task["primary_metric"] not in metric_names(task):
-        raise MetricConfigError(f"data.task.primary_metric {task['primary_metric']!r} is not one of "
+        raise ReprotuneError(f"data.task.primary_metric {task['primary_metric']!r} is not one of "
                                 f"{', '.join(metric_names(task))}")
 
 

@@ -13,15 +13,13 @@ tests/test_export_modelfile.py renders the result with Go's text/template and co
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+from reprotune.errors import ReprotuneError
 
 # lower-case markers: a template that changes case (or strips, escapes, ...) no longer contains them
 S, U, A, U2 = "\x01sys\x01", "\x01usr\x01", "\x01ast\x01", "\x01usr2\x01"
-
-
-class TemplateError(SystemExit):
-    """The chat template cannot be expressed as an Ollama TEMPLATE (exit status 1, no traceback)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ def _between(text: str, left: str, right: str) -> str:
 
 def _strip_prefix(text: str, prefix: str, what: str) -> str:
     if not text.startswith(prefix):
-        raise TemplateError(f"modelfile: the chat template does not wrap messages uniformly ({what}); "
+        raise ReprotuneError(f"modelfile: the chat template does not wrap messages uniformly ({what}); "
                             "write the Ollama TEMPLATE by hand")
     return text[len(prefix):]
 
@@ -63,10 +61,10 @@ def probe(tokenizer) -> ChatPieces:
         with_prompt = render([sys_, usr], generation=True)
         nosys = render([usr, ast])
     except Exception as err:  # the template rejected a plain system/user/assistant conversation
-        raise TemplateError(f"modelfile: the chat template cannot render a plain conversation ({err}); "
+        raise ReprotuneError(f"modelfile: the chat template cannot render a plain conversation ({err}); "
                             "write the Ollama TEMPLATE by hand") from None
     if any(m not in full for m in (S, U, A, U2)):
-        raise TemplateError("modelfile: the chat template rewrites message contents; write the Ollama TEMPLATE by hand")
+        raise ReprotuneError("modelfile: the chat template rewrites message contents; write the Ollama TEMPLATE by hand")
     user_end = ends_user[ends_user.index(U) + len(U):]
     assistant_end = ends_assistant[ends_assistant.index(A) + len(A):]
     system_to_user = _between(full, S, U)
@@ -75,7 +73,7 @@ def probe(tokenizer) -> ChatPieces:
     user_begin = _strip_prefix(assistant_to_user, assistant_end, "assistant end")
     system_end = system_to_user[: len(system_to_user) - len(user_begin)]
     if not system_to_user.endswith(user_begin):
-        raise TemplateError("modelfile: the chat template opens a user turn differently after a system "
+        raise ReprotuneError("modelfile: the chat template opens a user turn differently after a system "
                             "message; write the Ollama TEMPLATE by hand")
     pieces = ChatPieces(
         system_first=full[: full.index(S)],
@@ -117,7 +115,7 @@ def check_pieces(pieces: ChatPieces, render) -> None:
         # like Ollama: a generation prompt follows a conversation that does not end with the assistant
         generation = conv[-1]["role"] != "assistant"
         if assemble(pieces, conv, generation) != render(conv, generation):
-            raise TemplateError("modelfile: the chat template has role logic beyond fixed wrapping; "
+            raise ReprotuneError("modelfile: the chat template has role logic beyond fixed wrapping; "
                                 "write the Ollama TEMPLATE by hand")
 
 
@@ -169,7 +167,7 @@ def training_system_prompt(train_file: Path) -> str | None:
 
 def _quote(text: str) -> str:
     if '"""' in text:
-        raise TemplateError('modelfile: the template or system prompt contains """, which a Modelfile cannot hold')
+        raise ReprotuneError('modelfile: the template or system prompt contains """, which a Modelfile cannot hold')
     return f'"""{text}"""'
 
 
@@ -201,6 +199,3 @@ def parse_modelfile(text: str) -> dict[str, list[str]]:
         i += consumed
     return out
 
-
-def pieces_json(p: ChatPieces) -> dict[str, str]:
-    return asdict(p)

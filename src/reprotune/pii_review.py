@@ -18,7 +18,8 @@ import hydra
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.formats import DataError, read_dataset
+from reprotune.errors import user_errors
+from reprotune.formats import read_dataset
 
 
 def one_line(text: str) -> str:
@@ -27,14 +28,14 @@ def one_line(text: str) -> str:
 
 def review(cfg: DictConfig, out: object = sys.stdout) -> list[dict]:
     """Scrub the dataset in memory and print a seeded sample of its replacements; returns the sample."""
-    from reprotune.prepare import scrub
+    from reprotune.pii import scrub_records
 
     data = cfg.data
     files = read_dataset(Path(data.path), str(data.format), str(data.get("extra_keys", "drop")),
                          str(data.get("on_invalid", "error")))
     records = [r for f in files for r in f.records]
     trace: list[dict] = []
-    scrub(records, cfg, trace=trace)
+    scrub_records(records, cfg, trace=trace)
     n = int(data.pii.get("review_sample", 40))
     sample = sorted(random.Random(int(data.pii.seed)).sample(range(len(trace)), min(n, len(trace))))
     counts = Counter(t["entity"] for t in trace)
@@ -52,12 +53,8 @@ def review(cfg: DictConfig, out: object = sys.stdout) -> list[dict]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
+    with user_errors(summary="pii-review: {count} problem(s)"):
         review(cfg)
-    except DataError as err:
-        print("\n".join(err.problems), file=sys.stderr)
-        print(f"pii-review: {err.total} problem(s)", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

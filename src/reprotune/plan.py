@@ -28,7 +28,7 @@ import hydra
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune.config import CONF_DIR
+from reprotune.config import CONF_DIR, quantization
 
 log = logging.getLogger("reprotune.plan")
 
@@ -211,8 +211,9 @@ def settings_from_cfg(cfg: DictConfig, checkpointing: bool | None = None) -> Set
     liger = fast and cuda if _auto(liger) else bool(liger)  # the CUDA lock installs liger-kernel
     ckpt = hw.gradient_checkpointing if checkpointing is None else checkpointing
     cpu_fp32 = hw.dtype == "float32" or (hw.dtype == "auto" and not cuda)
-    return Settings(method=str(method.name), load_in_4bit=bool(method.load_in_4bit),
-                    double_quant=bool(method.get("bnb_4bit_use_double_quant", False)),
+    quant = quantization(cfg) or {}
+    return Settings(method=str(method.name), load_in_4bit=bool(quant.get("load_in_4bit", False)),
+                    double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
                     dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
                     checkpointing=True if _auto(ckpt) else bool(ckpt),  # auto: decided by fit_setting
                     packing=packing, batch_size=int(train.per_device_train_batch_size),
@@ -487,7 +488,7 @@ def card_budget_gib(cfg: DictConfig, card_gib: float) -> float:
     wanted = cfg.hardware.get("memory_budget_gib", "auto")
     if not _auto(wanted):
         return min(card_gib, float(wanted))
-    return min(card_gib, 20.0) if cfg.method.load_in_4bit else card_gib
+    return min(card_gib, 20.0) if quantization(cfg) else card_gib
 
 
 def decide_checkpointing(cfg: DictConfig, free_bytes: float) -> bool:

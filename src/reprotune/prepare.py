@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import statistics
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -34,7 +33,9 @@ import hydra
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.formats import DataError, Record, read_dataset
+from reprotune.errors import ReprotuneError, user_errors
+from reprotune.formats import Record, read_dataset
+from reprotune.io import content_key, key_fraction, replace_all
 
 QUOTED = re.compile(r'"[^"]*"')
 # a template renders tools if these names come out of it (a template that ignores tools= drops them silently)
@@ -57,13 +58,13 @@ log = logging.getLogger("reprotune.prepare")
 def example_key(example: dict) -> str:
     """Content hash of an example (its messages and tools, as read, before scrubbing): identity for dedup and
     split. Without tools it is the hash of the messages alone, as before tools were supported."""
-    content = {"messages": example["messages"], "tools": example["tools"]} if example.get("tools") else example["messages"]
-    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return content_key({"messages": example["messages"], "tools": example["tools"]} if example.get("tools")
+                       else example["messages"])
 
 
 def in_holdout(example: dict, fraction: float) -> bool:
     """Holdout membership depends on the example alone, never on its neighbours or a shuffle."""
-    return int(example_key(example)[:8], 16) / 0xFFFFFFFF < fraction
+    return key_fraction(example_key(example)) < fraction
 
 
 def drop_duplicates(records: list[Record]) -> tuple[list[Record], int]:
@@ -79,41 +80,15 @@ def drop_duplicates(records: list[Record]) -> tuple[list[Record], int]:
 # --- scrubbing -----------------------------------------------------------------------------------------------
 
 
-def scrub(records: list[Record], cfg: DictConfig,
-          trace: list[dict] | None = None) -> tuple[list[list[dict]], dict[str, Any]]:
-    """Scrubbed messages per record and the PII report (counts only); trace: see Scrubber.scrub."""
-    from tqdm import tqdm
-
-    from reprotune.pii import Scrubber, ScrubberUnavailable, detector_info
-
-    pii = cfg.data.pii
-    try:
-        scrubber = Scrubber(seed=int(pii.seed), entities=list(pii.entities), names=bool(pii.names),
-                            ner_model=str(pii.ner_model), phone_regions=list(pii.phone_regions),
-                            allow=list(pii.get("allow") or []))
-    except (ScrubberUnavailable, ValueError) as err:
-        raise DataError([f"{cfg.data.path}:0: data.pii: {err}"]) from err
-    progress = lambda texts: tqdm(texts, desc="scrubbing PII", unit="text", leave=False,  # noqa: E731
-                                  disable=None, mininterval=2)
-    messages, report = scrubber.scrub([r.messages for r in records], progress=progress, trace=trace)
-    return messages, {"scrub": True, **report.as_dict(), "detector": detector_info(scrubber)}
-
-
 # --- token lengths -------------------------------------------------------------------------------------------
 
 
 def load_tokenizer(cfg: DictConfig) -> Any:
     """The model's tokenizer with the chat template training uses (model.chat_template overrides it)."""
-    from transformers import AutoTokenizer
-
+    from reprotune.models import load_tokenizer as load
     from reprotune.models import resolve_model_dir
 
-    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, revision=cfg.model.revision,
-                                              trust_remote_code=bool(cfg.model.trust_remote_code))
-    if cfg.model.chat_template:
-        tokenizer.chat_template = Path(cfg.model.chat_template).read_text()
-    return tokenizer
+    return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
 
 
 def token_lengths(tokenizer: Any, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[int]:
@@ -145,7 +120,7 @@ def apply_length_policy(tokenizer: Any, conversations: list[list[dict]], lengths
                         ) -> tuple[list[list[dict] | None], list[int], Counter]:
     """Over-long examples are dropped (policy drop) or have their last reply cut to fit (policy truncate)."""
     if policy not in ("drop", "truncate"):
-        raise DataError([f"data.overlong: unknown policy {policy!r} (drop or truncate)"])
+        raise ReprotuneError([f"data.overlong: unknown policy {policy!r} (drop or truncate)"])
     counts: Counter = Counter()
     out, out_lengths = [], []
     tools = tools or [None] * len(conversations)
@@ -221,7 +196,7 @@ def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[di
         problems.append(f"{where}: weight: {n_weight} example(s) have assistant messages with weight 0, but "
                         f"train.assistant_only_loss=false trains on every token; set train.assistant_only_loss=true")
     if problems:
-        raise DataError(problems)
+        raise ReprotuneError(problems)
 
 
 def overlong_summary(lengths: list[int], overlong: Counter, n_examples: int, max_length: int) -> str | None:
@@ -342,22 +317,6 @@ def jsonl_bytes(conversations: list[list[dict]], tools: list[list | None] | None
                    for c, t in zip(conversations, tools, strict=True)).encode()
 
 
-def publish(files: dict[Path, bytes | Path]) -> None:
-    """Write every output next to its destination, then rename them all: a failure before the renames
-    leaves the previous outputs untouched."""
-    staged = []
-    for dest, content in files.items():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + ".tmp")
-        if isinstance(content, Path):
-            os.replace(content, tmp)
-        else:
-            tmp.write_bytes(content)
-        staged.append((tmp, dest))
-    for tmp, dest in staged:
-        os.replace(tmp, dest)
-
-
 # --- the stage -----------------------------------------------------------------------------------------------
 
 
@@ -405,7 +364,9 @@ def prepare(cfg: DictConfig) -> dict:
     tools = [r.tools for r in records]
 
     if data.scrub:
-        conversations, pii_report = scrub(records, cfg)
+        from reprotune.pii import scrub_records  # Presidio and spaCy load only when scrubbing
+
+        conversations, pii_report = scrub_records(records, cfg)
     else:
         conversations, pii_report = [r.messages for r in records], {"scrub": False}
     log.info("PII: %s", {k: v["replacements"] for k, v in pii_report.get("entities", {}).items()} or "none")
@@ -451,13 +412,13 @@ def prepare(cfg: DictConfig) -> dict:
         "scrub": bool(data.scrub),
     }
     if not train_idx:
-        raise DataError([f"{data.path}:0: data: no training examples left after dedup, split and length policy "
+        raise ReprotuneError([f"{data.path}:0: data: no training examples left after dedup, split and length policy "
                          f"({report['examples']})"])
 
     out.mkdir(parents=True, exist_ok=True)
     plot_tmp = out / "lengths.png.staging.png"
     plot_lengths([lengths[i] for i in train_idx], [lengths[i] for i in holdout_idx], int(data.max_length), plot_tmp)
-    publish({
+    replace_all({
         out / "train.jsonl": jsonl_bytes([conversations[i] for i in train_idx], [tools[i] for i in train_idx]),
         out / "holdout.jsonl": jsonl_bytes([conversations[i] for i in holdout_idx], [tools[i] for i in holdout_idx]),
         out / "rejected.jsonl": rejected_bytes(rejected),
@@ -476,13 +437,9 @@ def prepare(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
+    # one line per problem, no traceback: the user fixes the data, not our code
+    with user_errors(summary=f"prepare: {{count}} problem(s); nothing written to {cfg.paths.prepared}"):
         prepare(cfg)
-    except DataError as err:
-        # one line per problem, no traceback: the user fixes the data, not our code
-        print("\n".join(err.problems), file=sys.stderr)
-        print(f"prepare: {err.total} problem(s); nothing written to {cfg.paths.prepared}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.merge import ExportError
+from reprotune.errors import ReprotuneError, user_errors
 
 log = logging.getLogger("reprotune.publish")
 
@@ -41,20 +41,20 @@ def trained_on_private_data(cfg: DictConfig) -> str | None:
 def folder_to_publish(cfg: DictConfig) -> Path:
     what = cfg.export.publish.what
     if what not in ("adapter", "merged"):
-        raise ExportError(f"publish: export.publish.what must be 'adapter' or 'merged', not {what!r}")
+        raise ReprotuneError(f"publish: export.publish.what must be 'adapter' or 'merged', not {what!r}")
     folder = Path(cfg.paths.adapter if what == "adapter" else cfg.paths.merged)
     if not folder.is_dir():
-        raise ExportError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}' first")
+        raise ReprotuneError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}' first")
     return folder
 
 
 def publish(cfg: DictConfig) -> dict[str, Any]:
     reason = trained_on_private_data(cfg)
     if reason:
-        raise ExportError(f"publish: refusing to publish: {reason}. Adapters trained on private data stay local.")
+        raise ReprotuneError(f"publish: refusing to publish: {reason}. Adapters trained on private data stay local.")
     repo_id = cfg.export.publish.repo_id
     if not repo_id:
-        raise ExportError("publish: set export.publish.repo_id=<user-or-org>/<name>")
+        raise ReprotuneError("publish: set export.publish.repo_id=<user-or-org>/<name>")
     folder = folder_to_publish(cfg)
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     plan = {"repo_id": str(repo_id), "folder": folder.as_posix(), "files": files,
@@ -66,7 +66,7 @@ def publish(cfg: DictConfig) -> dict[str, Any]:
         print("  add export.publish.push=true to upload (HF_TOKEN from the environment)")
         return plan
     if not os.environ.get("HF_TOKEN"):
-        raise ExportError("publish: export.publish.push=true needs HF_TOKEN in the environment")
+        raise ReprotuneError("publish: export.publish.push=true needs HF_TOKEN in the environment")
     from huggingface_hub import HfApi
 
     api = HfApi()  # reads HF_TOKEN itself; we never handle the value
@@ -79,7 +79,8 @@ def publish(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    publish(cfg)
+    with user_errors():
+        publish(cfg)
 
 
 if __name__ == "__main__":

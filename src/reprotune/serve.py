@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.merge import ExportError
+from reprotune.errors import ReprotuneError, user_errors
 
 log = logging.getLogger("reprotune.serve")
 
@@ -36,7 +36,7 @@ def llama_cpp_settings(cfg: DictConfig):
 
     path = gguf_path(cfg)
     if not path.is_file():
-        raise ExportError(f"serve: {path} not found; run 'make gguf' (export.quant must include "
+        raise ReprotuneError(f"serve: {path} not found; run 'make gguf' (export.quant must include "
                           f"{cfg.export.serve.quant})")
     server = ServerSettings(host=str(cfg.export.serve.host), port=int(cfg.export.serve.port))
     model = ModelSettings(model=str(path), model_alias=str(cfg.export.name), n_ctx=int(cfg.export.serve.n_ctx),
@@ -91,10 +91,11 @@ def serve(cfg: DictConfig) -> None:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    if cfg.export.serve.info_only:
-        print(info(cfg))
-        return
-    serve(cfg)
+    with user_errors():
+        if cfg.export.serve.info_only:
+            print(info(cfg))
+            return
+        serve(cfg)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from reprotune.config import quantization
+
 log = logging.getLogger("reprotune.speed")
 
 # bf16 dense matrix rate measured on the lent H200s (8192^3 products, random data): the MFU denominator
@@ -117,7 +119,7 @@ def memory_budget(cfg: DictConfig, free_bytes: int) -> float:
     default plan must), else 90% of the GPU's free memory."""
     budget = cfg.hardware.get("memory_budget_gib", "auto")
     if _auto(budget):
-        return 20 * GIB if cfg.method.load_in_4bit else 0.9 * free_bytes
+        return 20 * GIB if quantization(cfg) else 0.9 * free_bytes
     return float(budget) * GIB
 
 
@@ -128,7 +130,7 @@ def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bo
     micro-batch (6,376 tokens/s, 6.4 GiB) beat halving the micro-batch without it (4,985 tokens/s, 14.0 GiB),
     because each micro-step pays a fixed cost (NF4 dequantisation, kernel launches). Fewer rows come last."""
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
-    length, four_bit = int(cfg.train.max_length), bool(cfg.method.load_in_4bit)
+    length, four_bit = int(cfg.train.max_length), bool(quantization(cfg))
     gib = f"of a {budget / GIB:.1f} GiB budget"
     need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=False)
     if need <= budget:

@@ -5,7 +5,7 @@
 Reads  data/prepared/train.jsonl and the configured base model.
 Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json,
        outputs/train/loss.png and outputs/train/manifest.json. Checkpoints go to outputs/checkpoints/ and
-       an interrupted run resumes from the last one (train.resume=auto).
+       an interrupted run resumes from the last one (train.run.resume=auto).
 
 Read top to bottom: settings -> data -> model -> trainer -> train -> save -> report.
 """
@@ -26,62 +26,21 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune import distributed, speed
-from reprotune.config import CONF_DIR
+from reprotune.config import CONF_DIR, library_keys, quantization
+from reprotune.errors import ReprotuneError, user_errors
+from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
+from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
 
 log = logging.getLogger("reprotune.train")
 
 
-# ----------------------------------------------------------------------------------------------- settings
-def resolve_device(cfg: DictConfig) -> str:
-    import torch
-
-    wanted = cfg.hardware.device
-    if wanted == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("train: hardware=gpu asked for CUDA, but torch sees no GPU (try hardware=cpu)")
-    return wanted
-
-
-def resolve_dtype(cfg: DictConfig, device: str) -> str:
-    if cfg.hardware.dtype != "auto":
-        return cfg.hardware.dtype
-    return "bfloat16" if device == "cuda" else "float32"
-
-
-def set_reproducibility(cfg: DictConfig, device: str) -> None:
-    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU)."""
-    import torch
-    from transformers import set_seed
-
-    if cfg.hardware.num_threads:
-        torch.set_num_threads(int(cfg.hardware.num_threads))
-    if cfg.repro == "strict":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
-    elif cfg.repro != "default":
-        raise SystemExit(f"train: repro must be 'default' or 'strict', not {cfg.repro!r}")
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.hardware.tf32)
-        torch.backends.cudnn.allow_tf32 = bool(cfg.hardware.tf32)
-    set_seed(int(cfg.seed), deterministic=cfg.repro == "strict")
-
-
 # ------------------------------------------------------------------------------------------------- data
 def read_messages(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise SystemExit(f"train: {path} not found; run 'make prepare' first")
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                example = json.loads(line)
-                rows.append({"messages": example["messages"],
-                             **({"tools": json.dumps(example["tools"])} if example.get("tools") else {})})
-    if not rows:
-        raise SystemExit(f"train: {path} holds no examples")
+    for example in read_examples(path, "run 'make prepare' first"):
+        rows.append({"messages": example["messages"],
+                     **({"tools": json.dumps(example["tools"])} if example.get("tools") else {})})
     if any("tools" in row for row in rows):
         # TRL passes a "tools" column (JSON text: Arrow would widen objects) to the chat template's tools=;
         # Dataset.from_list takes its columns from the first row, so every row gets one
@@ -90,100 +49,58 @@ def read_messages(path: Path) -> list[dict[str, Any]]:
 
 
 def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
-    """A validation split drawn from train (never the holdout), chosen by content hash so it is stable."""
+    """A validation split drawn from train (never the holdout), chosen by content hash so it is stable.
+    (ASCII-escaped keys, unlike prepare's: changing them would move existing validation splits.)"""
     def pick(row: dict) -> bool:
-        digest = hashlib.sha256(json.dumps(row["messages"], sort_keys=True).encode()).hexdigest()
-        return int(digest[:8], 16) / 0xFFFFFFFF < fraction
+        return key_fraction(content_key(row["messages"], ensure_ascii=True)) < fraction
 
     val = [r for r in rows if pick(r)]
     return [r for r in rows if not pick(r)], val
 
 
 # ------------------------------------------------------------------------------------------------ model
-def load_tokenizer(model_dir: str, cfg: DictConfig):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, revision=cfg.model.revision,
-                                              trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.chat_template:
-        tokenizer.chat_template = Path(cfg.model.chat_template).read_text()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_base_model(model_dir: str, cfg: DictConfig, device: str, dtype: str, attn_implementation: str | None = None):
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
-                              "trust_remote_code": cfg.model.trust_remote_code}
-    if attn_implementation is None and cfg.repro == "strict":
-        attn_implementation = "eager"  # no nondeterministic fused attention backward
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    if cfg.method.load_in_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=cfg.method.bnb_4bit_quant_type,
-            bnb_4bit_use_double_quant=cfg.method.bnb_4bit_use_double_quant,
-            bnb_4bit_compute_dtype=getattr(torch, dtype),
-            bnb_4bit_quant_storage=getattr(torch, dtype),
-        )
-        kwargs["device_map"] = {"": distributed.world().local_rank} if device == "cuda" else {"": "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    # Never run an eval-mode forward (generate) here on a 4-bit model: on CPU it repacks the weights and the
-    # following training silently gets wrong gradients.
-    return model
+# reprotune's own keys in the method and train groups; every other key is the library's and passes through whole
+METHOD_OWN = ("name", "quantization")
+TRAIN_OWN = ("run",)
 
 
 def lora_config(cfg: DictConfig):
+    """peft.LoraConfig from the method group as it is (target_modules null: the model preset's)."""
     from peft import LoraConfig
 
-    targets = cfg.method.target_modules or cfg.model.lora_target_modules
-    return LoraConfig(
-        r=int(cfg.method.r),
-        lora_alpha=int(cfg.method.alpha),
-        lora_dropout=float(cfg.method.dropout),
-        target_modules=targets if isinstance(targets, str) else list(targets),
-        use_dora=bool(cfg.method.use_dora),
-        bias=cfg.method.bias,
-        task_type="CAUSAL_LM",
-    )
+    keys = library_keys(cfg.method, METHOD_OWN)
+    if keys.get("target_modules") is None:
+        keys["target_modules"] = OmegaConf.to_container(cfg.model.lora_target_modules, resolve=True) \
+            if OmegaConf.is_config(cfg.model.lora_target_modules) else cfg.model.lora_target_modules
+    return LoraConfig(task_type="CAUSAL_LM", **keys)
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath, world_size: int = 1):
+def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath,
+               world_size: int = 1):
+    """trl.SFTConfig from the train group as it is, plus the settings reprotune's guarantees rest on, which
+    win over the group: where checkpoints go and how they rotate, seeds, precision from hardware, the
+    validation split, nothing sent anywhere unless train.report_to asks, and the speed settings fitted by
+    reprotune.speed (micro-batch, accumulation, packing, Liger, checkpointing)."""
     from trl import SFTConfig
 
-    t = cfg.train
+    keys = library_keys(cfg.train, TRAIN_OWN)
     accum, _ = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
                                         world_size)
-    eval_steps = int(t.eval_steps) if t.eval_steps and has_val else None
-    return SFTConfig(
+    eval_steps = keys.get("eval_steps") if keys.get("eval_steps") and has_val else None
+    report_to = keys.get("report_to")
+    keys.update(
         output_dir=cfg.paths.checkpoints,
-        max_steps=int(t.max_steps),
-        num_train_epochs=float(t.num_train_epochs),
         per_device_train_batch_size=fast.per_device_train_batch_size,
         per_device_eval_batch_size=fast.per_device_train_batch_size,
         gradient_accumulation_steps=accum,
-        learning_rate=float(t.learning_rate),
-        lr_scheduler_type=t.lr_scheduler_type,
-        warmup_steps=t.warmup_steps,
-        weight_decay=float(t.weight_decay),
-        max_grad_norm=float(t.max_grad_norm),
-        optim=t.optim,
-        max_length=int(t.max_length),
         packing=fast.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
         use_liger_kernel=fast.liger,
-        assistant_only_loss=bool(t.assistant_only_loss),
         chat_template_path=cfg.model.training_chat_template,
-        logging_steps=int(t.logging_steps),
         logging_first_step=True,
         save_strategy="steps",
-        save_steps=int(t.save_steps),
-        save_total_limit=None,  # rotation happens after sealing (SealedCheckpointTrainer)
+        save_total_limit=None,  # train.save_total_limit is applied after sealing (SealedCheckpointTrainer)
         eval_strategy="steps" if eval_steps else "no",
         eval_steps=eval_steps,
         seed=int(cfg.seed),
@@ -192,7 +109,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         activation_checkpointing=fast.activation_checkpointing,
-        report_to=[] if t.report_to in (None, "none") else [t.report_to],
+        report_to=[] if report_to in (None, "none") else report_to,
         push_to_hub=False,
         dataloader_num_workers=0,
         dataset_num_proc=None,
@@ -201,6 +118,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         disable_tqdm=False,
         **distributed.trainer_arguments(cfg, world_size),
     )
+    return SFTConfig(**keys)
 
 
 def config_fingerprint(cfg: DictConfig) -> str:
@@ -298,7 +216,7 @@ def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True)
     process that may modify the folder: rank 0 when several train together)."""
     ckpt_root = Path(cfg.paths.checkpoints)
     stamp = ckpt_root / "reprotune-run.json"
-    if cfg.train.resume == "never" or not ckpt_root.is_dir():
+    if cfg.train.run.resume == "never" or not ckpt_root.is_dir():
         if modify:
             shutil.rmtree(ckpt_root, ignore_errors=True)
         return None
@@ -375,17 +293,15 @@ def plot_loss(curves: dict[str, list], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, metadata={"Software": None})  # no version stamp: same curve, same bytes
+    save_figure(fig, out)
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
     text = f"""# reprotune adapter: {cfg.model.name} + {cfg.method.name} on {cfg.data.name}
 
 - Base model: `{cfg.model.name}` ({cfg.model.source}: `{cfg.model.path or cfg.model.get('builtin', {}).get('file')}`)
-- Method: {cfg.method.name} (r={cfg.method.r}, alpha={cfg.method.alpha}, dora={cfg.method.use_dora}, 4-bit base={cfg.method.load_in_4bit})
+- Method: {cfg.method.name} (r={cfg.method.r}, alpha={cfg.method.lora_alpha}, dora={cfg.method.use_dora}, 4-bit base={bool((quantization(cfg) or {}).get('load_in_4bit'))})
 - Data: `{cfg.data.name}` ({metrics['train_examples']} training examples; private={cfg.data.private})
 - Steps: {metrics['global_step']}, final train loss {metrics['final_train_loss']:.4f}, seed {cfg.seed}
 - Produced by `make train`; the full provenance is in `outputs/train/manifest.json`.
@@ -415,7 +331,7 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
                  state_dict: dict | None = None) -> Path:
     """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
     final = Path(cfg.paths.adapter)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = tmp_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     from reprotune.models import base_identity
 
@@ -426,12 +342,7 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
     tokenizer.chat_template = original_template
     tokenizer.save_pretrained(tmp)
     write_model_card(tmp, cfg, metrics)
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_dir(tmp, final)
     return final
 
 
@@ -441,7 +352,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from datasets import Dataset
 
     from reprotune import manifest as mf
-    from reprotune.models import resolve_model_dir
 
     started = time.time()
     # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
@@ -459,11 +369,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     rows = read_messages(train_file)
     val_rows: list[dict] = []
     if cfg.train.eval_steps:
-        rows, val_rows = split_validation(rows, float(cfg.train.val_fraction))
+        rows, val_rows = split_validation(rows, float(cfg.train.run.val_fraction))
 
     with distributed.main_process_first():
         model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
-    tokenizer = load_tokenizer(model_dir, cfg)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
     original_template = tokenizer.chat_template
     fast = choose_fast_path(cfg, device, model_dir)
     log.info("speed: %s", "; ".join(fast.reasons))
@@ -497,7 +407,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # TRL drops examples whose labels are all masked; count what is left to learn from.
     masked = sum(sum(1 for t in ex["labels"] if t != -100) for ex in trainer.train_dataset)
     if masked == 0:
-        raise SystemExit("train: the loss mask is empty: no assistant tokens to learn from (check the chat template)")
+        raise ReprotuneError(f"{cfg.model.training_chat_template}: generation: the loss mask is empty, no assistant "
+                             "tokens to learn from (check the {% generation %} block of the training template)")
     trainer.keep_checkpoints = int(cfg.train.save_total_limit) if cfg.train.save_total_limit else None
     trainable, total = trainer.model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
@@ -583,7 +494,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                         "strategy": distributed.strategy(cfg, world.size), "global_batch": batch_line},
     })
     mf.write_json(out_dir / "manifest.json", record)
-    if not cfg.train.get("keep_checkpoints", False):
+    if not cfg.train.run.keep_checkpoints:
         shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)
     log.info("adapter %s (sha256 %s), final loss %.4f, %.1f tokens/s", adapter_dir,
              record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"],
@@ -594,7 +505,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    with user_errors():
+        train(cfg)
 
 
 if __name__ == "__main__":

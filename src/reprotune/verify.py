@@ -30,11 +30,9 @@ from typing import Any
 
 import yaml
 
+from reprotune.errors import ReprotuneError
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-class VerifyError(Exception):
-    """Verification could not run (bad manifest, missing input, stage crashed)."""
 
 
 # ------------------------------------------------------------------------------- what a manifest records
@@ -108,14 +106,14 @@ def _short(value: Any) -> str:
 # --------------------------------------------------------------------------------- re-run from a manifest
 def load_manifest(path: Path) -> dict:
     if not path.is_file():
-        raise VerifyError(f"{path}: no such manifest (give a stage's manifest.json or a git revision)")
+        raise ReprotuneError(f"{path}: no such manifest (give a stage's manifest.json or a git revision)")
     try:
         manifest = json.loads(path.read_text())
     except ValueError as exc:
-        raise VerifyError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
+        raise ReprotuneError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
     for field in ("stage", "config", "outputs", "manifest_path"):
         if field not in manifest:
-            raise VerifyError(f"{path}: field '{field}' missing: not a reprotune stage manifest (or too old)")
+            raise ReprotuneError(f"{path}: field '{field}' missing: not a reprotune stage manifest (or too old)")
     return manifest
 
 
@@ -160,7 +158,7 @@ def copy_inputs(manifest: dict, root: Path, tmp: Path) -> None:
             continue  # outside the run (e.g. the model cache): used in place, its hash is still compared
         src, dst = root / rel, tmp / rel
         if not src.exists():
-            raise VerifyError(f"input '{name}' ({src}) is missing: restore it first (make pull, or dvc checkout)")
+            raise ReprotuneError(f"input '{name}' ({src}) is missing: restore it first (make pull, or dvc checkout)")
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
             shutil.copytree(src, dst)
@@ -191,10 +189,10 @@ def rerun_stage(manifest: dict, root: Path, tmp: Path, overrides: list[str]) -> 
     print(f"verify: re-running stage '{manifest['stage']}' in {tmp}", flush=True)
     proc = subprocess.run(cmd, env=env, cwd=Path.cwd())
     if proc.returncode != 0:
-        raise VerifyError(f"the re-run of stage '{manifest['stage']}' failed (exit {proc.returncode}); see above")
+        raise ReprotuneError(f"the re-run of stage '{manifest['stage']}' failed (exit {proc.returncode}); see above")
     new_path = tmp / manifest["manifest_path"]
     if not new_path.is_file():
-        raise VerifyError(f"the re-run wrote no manifest at {new_path}")
+        raise ReprotuneError(f"the re-run wrote no manifest at {new_path}")
     return json.loads(new_path.read_text())
 
 
@@ -210,7 +208,7 @@ def verify_manifest(path: Path, overrides: list[str] | None = None, keep: bool =
             shutil.rmtree(tmp, ignore_errors=True)
     outputs = output_differences(manifest, rerun)
     if not outputs:
-        raise VerifyError(f"{path}: the manifest records no output hashes to compare")
+        raise ReprotuneError(f"{path}: the manifest records no output hashes to compare")
     identical = all(v == "identical" for v in outputs.values())
     return {"stage": manifest["stage"], "manifest": str(path), "identical": identical, "outputs": outputs,
             "inputs_differ": input_differences(manifest, rerun), "rerun_dir": str(tmp) if keep else None}
@@ -225,12 +223,12 @@ def manifests_at(rev: str, repo: Path) -> list[str]:
     """Paths of the stage manifests that the revision's dvc.lock records."""
     lock = _run(["git", "show", f"{rev}:dvc.lock"], repo)
     if lock.returncode != 0:
-        raise VerifyError(f"{rev}: no dvc.lock at that revision (nothing was run with 'make repro' there)")
+        raise ReprotuneError(f"{rev}: no dvc.lock at that revision (nothing was run with 'make repro' there)")
     stages = (yaml.safe_load(lock.stdout) or {}).get("stages", {})
     found = [out["path"] for st in stages.values() for out in st.get("outs", [])
              if Path(out["path"]).name.endswith("manifest.json")]
     if not found:
-        raise VerifyError(f"{rev}: dvc.lock records no stage manifest (manifest.json outs)")
+        raise ReprotuneError(f"{rev}: dvc.lock records no stage manifest (manifest.json outs)")
     return found
 
 
@@ -238,7 +236,7 @@ def verify_revision(rev: str, overrides: list[str] | None = None, keep: bool = F
     repo = Path(_run(["git", "rev-parse", "--show-toplevel"], Path.cwd()).stdout.strip() or Path.cwd())
     commit = _run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], repo)
     if commit.returncode != 0:
-        raise VerifyError(f"{rev}: neither a manifest file nor a git revision")
+        raise ReprotuneError(f"{rev}: neither a manifest file nor a git revision")
     manifests = manifests_at(rev, repo)
     dvc = str(Path(sys.executable).parent / "dvc")
     cache = _run([dvc, "cache", "dir"], repo).stdout.strip() or str(repo / ".dvc/cache")
@@ -247,7 +245,7 @@ def verify_revision(rev: str, overrides: list[str] | None = None, keep: bool = F
     try:
         added = _run(["git", "worktree", "add", "--detach", str(tree), commit.stdout.strip()], repo)
         if added.returncode != 0:
-            raise VerifyError(f"git worktree add failed: {added.stderr.strip().splitlines()[-1]}")
+            raise ReprotuneError(f"git worktree add failed: {added.stderr.strip().splitlines()[-1]}")
         # the worktree shares this checkout's DVC cache (and remotes, via its own committed .dvc/config)
         _run([dvc, "cache", "dir", "--local", cache], tree)
         for local in (".dvc/config.local",):
@@ -261,10 +259,10 @@ def verify_revision(rev: str, overrides: list[str] | None = None, keep: bool = F
         if restored.returncode != 0:
             restored = _run([dvc, "pull", "--quiet", *targets], tree)
         if restored.returncode != 0:
-            raise VerifyError(f"{rev}: could not restore its data and outputs from the DVC cache or remote "
+            raise ReprotuneError(f"{rev}: could not restore its data and outputs from the DVC cache or remote "
                               f"({(restored.stderr.strip().splitlines() or ['?'])[-1]})")
         if not (tree / "src/reprotune/verify.py").is_file():
-            raise VerifyError(f"{rev}: that revision predates 'make verify' (no src/reprotune/verify.py)")
+            raise ReprotuneError(f"{rev}: that revision predates 'make verify' (no src/reprotune/verify.py)")
         env = {**os.environ, "PYTHONPATH": str(tree / "src")}
         reports = []
         for rel in manifests:
@@ -274,7 +272,7 @@ def verify_revision(rev: str, overrides: list[str] | None = None, keep: bool = F
             sys.stderr.write(proc.stderr[-4000:] if proc.returncode not in (0, 1) else "")
             report = _last_report(proc.stdout)
             if proc.returncode not in (0, 1) or report is None:
-                raise VerifyError(f"{rev}: verifying {rel} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+                raise ReprotuneError(f"{rev}: verifying {rel} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
             report["revision"] = rev
             reports.append(report)
         return reports
@@ -325,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             reports = [verify_manifest(Path(args.run), args.overrides, args.keep)]
         else:
             reports = verify_revision(args.run, args.overrides, args.keep)
-    except VerifyError as exc:
+    except ReprotuneError as exc:
         print(f"verify: {exc}", file=sys.stderr)
         return 2
     for report in reports:

@@ -1,0 +1,135 @@
+"""Files: JSONL reading with one error style, atomic writes (temp path, then rename), directory swaps, and the
+content hash that places an example in a split.
+
+Nothing a stage writes is ever half there: files are written next to their destination and renamed over it;
+directories are built as `<name>.tmp` and swapped in, so a crash leaves the previous output (or none).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from reprotune.errors import ReprotuneError
+
+
+# ------------------------------------------------------------------------------------------------- JSONL
+def iter_jsonl(path: Path, missing_hint: str = "") -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line; a missing file or bad JSON is a ReprotuneError."""
+    if not path.is_file():
+        raise ReprotuneError(f"{path}: file: not found" + (f"; {missing_hint}" if missing_hint else ""))
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ReprotuneError(f"{path}:{lineno}: json: not valid JSON ({err.msg})") from None
+
+
+def read_examples(path: Path, missing_hint: str = "") -> list[dict[str, Any]]:
+    """Every line of a prepared JSONL file (an object with a `messages` list, maybe `tools`), in file order;
+    at least one."""
+    rows = []
+    for lineno, row in iter_jsonl(path, missing_hint):
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise ReprotuneError(f"{path}:{lineno}: messages: expected a list of messages")
+        rows.append(row)
+    if not rows:
+        raise ReprotuneError(f"{path}:1: file: holds no examples")
+    return rows
+
+
+def read_conversations(path: Path, missing_hint: str = "") -> list[list[dict[str, Any]]]:
+    """The `messages` list of every line of a prepared JSONL file, in file order; at least one."""
+    return [row["messages"] for row in read_examples(path, missing_hint)]
+
+
+def jsonl_text(rows: list[Any], sort_keys: bool = False) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=sort_keys) + "\n" for r in rows)
+
+
+# --------------------------------------------------------------------------------------------- atomic files
+def tmp_path(path: Path, suffix: str = ".tmp") -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_figure(fig: Any, out: Path) -> None:
+    """A matplotlib figure as PNG without a version stamp (same plot, same bytes), written atomically."""
+    tmp = tmp_path(out, ".tmp.png")  # savefig picks the format from the suffix
+    fig.savefig(tmp, metadata={"Software": None})
+    os.replace(tmp, out)
+
+
+def replace_all(files: dict[Path, bytes | Path]) -> None:
+    """Stage every output next to its destination, then rename them all: a failure before the renames leaves
+    the previous outputs untouched."""
+    staged = []
+    for dest, content in files.items():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_path(dest)
+        if isinstance(content, Path):
+            os.replace(content, tmp)
+        else:
+            tmp.write_bytes(content)
+        staged.append((tmp, dest))
+    for tmp, dest in staged:
+        os.replace(tmp, dest)
+
+
+# ---------------------------------------------------------------------------------------------- directories
+def fresh_dir(final: Path, suffix: str = ".tmp") -> Path:
+    """An empty `<final><suffix>` directory to build an output in (a leftover from a crash is removed)."""
+    tmp = tmp_path(final, suffix)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def swap_dir(tmp: Path, final: Path) -> None:
+    """Swap a finished directory in for the previous one: a crash never leaves a half-written output."""
+    old = tmp_path(final, ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def install_dir_once(tmp: Path, final: Path) -> None:
+    """Move a finished cache entry into place unless a concurrent process already did (its copy is identical
+    by construction)."""
+    if final.exists():
+        shutil.rmtree(tmp)
+        return
+    os.replace(tmp, final)
+
+
+# ------------------------------------------------------------------------------------------------- splits
+def content_key(content: Any, ensure_ascii: bool = False) -> str:
+    """sha256 of an example's content (its messages, and tools where it has them): its identity for dedup and
+    for which split it lands in."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=ensure_ascii).encode()).hexdigest()
+
+
+def key_fraction(key: str) -> float:
+    """A content key as a number in [0, 1]: `< fraction` puts an example in a split by its content alone,
+    never by its neighbours or a shuffle, so appending data never moves an existing example."""
+    return int(key[:8], 16) / 0xFFFFFFFF

@@ -1,0 +1,59 @@
+"""Where and how the math runs: device, dtype, gradient checkpointing, seeds and determinism.
+
+Every stage that runs a model asks here, so `hardware=` and `repro=` mean the same thing in train and eval.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+
+from reprotune.errors import ReprotuneError
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    import torch
+
+    wanted = cfg.hardware.device
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ReprotuneError("hardware.device: hardware=gpu asked for CUDA, but torch sees no GPU (try hardware=cpu)")
+    return wanted
+
+
+def resolve_dtype(cfg: DictConfig, device: str) -> str:
+    if cfg.hardware.dtype != "auto":
+        return cfg.hardware.dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def set_reproducibility(cfg: DictConfig, device: str) -> None:
+    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU)."""
+    import torch
+    from transformers import set_seed
+
+    if cfg.hardware.num_threads:
+        torch.set_num_threads(int(cfg.hardware.num_threads))
+    if cfg.repro == "strict":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    elif cfg.repro != "default":
+        raise ReprotuneError(f"repro: must be 'default' or 'strict', not {cfg.repro!r}")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.hardware.tf32)
+        torch.backends.cudnn.allow_tf32 = bool(cfg.hardware.tf32)
+    set_seed(int(cfg.seed), deterministic=cfg.repro == "strict")
+
+
+def local_rank() -> int:
+    """This process's GPU on its host, as torchrun sets it (0 for a single process)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def attention_implementation(cfg: DictConfig) -> str | None:
+    """repro=strict: eager attention (fused kernels' backward is not deterministic); else the library's choice."""
+    return "eager" if cfg.repro == "strict" else None

@@ -1,0 +1,106 @@
+"""Config passes through: the train and method groups are the libraries' own keyword arguments, and every key the
+code reads is declared in conf/."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from reprotune import speed
+from reprotune.config import CONF_DIR, compose, library_keys
+from reprotune.train import METHOD_OWN, TRAIN_OWN, lora_config, sft_config
+
+SRC = Path(__file__).resolve().parents[1] / "src/reprotune"
+GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in ("model", "method", "hardware")}
+
+
+def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
+    cfg = compose([f"paths.root={tmp_path}", "+train.label_smoothing_factor=0.1", "train.learning_rate=3e-4"])
+    args = sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cpu"))
+    # reprotune sets these itself (where checkpoints go and how they rotate, the validation split, privacy;
+    # batch shape and packing fitted by reprotune.speed)
+    overridden = {"save_total_limit", "eval_steps", "report_to", "packing", "per_device_train_batch_size",
+                  "gradient_accumulation_steps"}
+    passed = library_keys(cfg.train, TRAIN_OWN)
+    assert passed["label_smoothing_factor"] == 0.1  # a key conf/ does not list, added on the command line
+    for key, value in passed.items():
+        if key not in overridden:
+            assert getattr(args, key) == value, key
+    assert args.learning_rate == 3e-4 and args.save_total_limit is None and args.report_to in ([], "none", None)
+
+
+def test_unknown_train_key_fails_with_trls_message(tmp_path: Path) -> None:
+    cfg = compose([f"paths.root={tmp_path}", "+train.learning_rat=1e-4"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'learning_rat'"):
+        sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cpu"))
+
+
+@pytest.mark.parametrize("method", GROUPS["method"])
+def test_every_method_key_reaches_loraconfig_unchanged(method: str) -> None:
+    cfg = compose([f"method={method}", "+method.rank_pattern={q_proj: 4}"])
+    config = lora_config(cfg)
+    for key, value in library_keys(cfg.method, METHOD_OWN).items():
+        if key != "target_modules":
+            assert getattr(config, key) == value, key
+    assert config.rank_pattern == {"q_proj": 4}
+    assert config.target_modules == set(cfg.model.lora_target_modules)  # null: the model preset's
+
+
+def test_unknown_method_key_fails_with_peft_message() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lora_alpah'"):
+        lora_config(compose(["+method.lora_alpah=8"]))
+
+
+# --------------------------------------------------------------------------------- every read key is declared
+def read_paths() -> set[tuple[str, ...]]:
+    """Every config path the code reads as cfg.a.b.c or cfg.a.get("b") (a chain on the name `cfg`)."""
+    found = set()
+    for path in SRC.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            chain: list[str] = []
+            cur = node
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                chain, cur = [node.args[0].value], node.func.value
+            elif not isinstance(node, ast.Attribute):
+                continue
+            while isinstance(cur, ast.Attribute):
+                chain.insert(0, cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == "cfg" and chain:
+                found.add(tuple(chain))
+    return {p for p in found if p[-1] not in {"get", "items", "keys", "values"}}
+
+
+def declared(cfgs: list, path: tuple[str, ...]) -> bool:
+    for cfg in cfgs:
+        node = cfg
+        for key in path:
+            if not OmegaConf.is_dict(node) or key not in node:
+                break
+            node = node[key]
+        else:
+            return True
+    return False
+
+
+def test_every_key_the_code_reads_is_declared_in_conf() -> None:
+    paths = read_paths()
+    assert ("train", "run", "keep_checkpoints") in paths and ("train", "save_total_limit") in paths  # the reader works
+    default = compose([])
+    missing = {p for p in paths if not declared([default], p)}
+    # some keys exist in one preset only (model.builtin, method.quantization's keys): try every preset, lazily
+    for model, method, hardware in itertools.product(GROUPS["model"], GROUPS["method"], GROUPS["hardware"]):
+        if not missing:
+            break
+        cfg = compose([f"model={model}", f"method={method}", f"hardware={hardware}"])
+        missing = {p for p in missing if not declared([cfg], p)}
+    assert sorted(".".join(p) for p in missing) == []
+
+
+def test_the_reader_would_catch_an_undeclared_key() -> None:
+    assert not declared([compose([])], ("train", "keep_checkpoints"))  # read but declared nowhere, before #16
