@@ -122,9 +122,11 @@ def test_make_verify_reruns_the_merge_manifest(merged: tuple[Path, list[str]]) -
 def test_merge_refuses_an_adapter_of_another_base(merged: tuple[Path, list[str]], tmp_path: Path) -> None:
     import shutil
 
+    from reprotune.errors import ReprotuneError
+
     root, overrides = merged
     shutil.copytree(root / "outputs/adapter", tmp_path / "outputs/adapter")
     shutil.copytree(root / "data", tmp_path / "data")
-    with pytest.raises(SystemExit, match=r"base_model_name_or_path: the adapter was trained on random_init:tiny_random@"
+    with pytest.raises(ReprotuneError, match=r"base_model_name_or_path: the adapter was trained on random_init:tiny_random@"
                                          r"[0-9a-f]{16}, but model= is builtin:smollm2_135m@"):
         merge(compose([*overrides, f"paths.root={tmp_path}", "model=smollm2_135m"]))

@@ -152,7 +152,8 @@ def test_adapter_does_not_depend_on_the_hash_seed_or_the_cache_location(workspac
 
 def test_base_identity_maps_back_to_the_local_model() -> None:
     """Every source has an identity without a host path, and reprotune's loader maps it back."""
-    from reprotune.models import ModelSourceError, base_identity, resolve_base_identity, resolve_model_dir
+    from reprotune.errors import ReprotuneError
+    from reprotune.models import base_identity, resolve_base_identity, resolve_model_dir
 
     tiny = compose(["model=tiny_random"])
     identity, revision = base_identity(tiny.model)
@@ -167,5 +168,5 @@ def test_base_identity_maps_back_to_the_local_model() -> None:
     local = compose(["model=llama32_1b", "model.source=local", "model.path=/data/models/my-llama"]).model
     assert base_identity(local) == ("local:my-llama", None)
     # a preset whose spec changed since the adapter was trained is refused, not silently swapped
-    with pytest.raises(ModelSourceError, match="conf/model/tiny_random.yaml now describes random_init:tiny_random@"):
+    with pytest.raises(ReprotuneError, match="conf/model/tiny_random.yaml now describes random_init:tiny_random@"):
         resolve_base_identity("random_init:tiny_random@0000000000000000", tiny.paths.model_cache)

@@ -490,7 +490,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
                    if device == "cuda" else None},
         "fast_path": fast.as_record(),
-        "distributed": {"world_size": world.size, "nnodes": int(os.environ.get("NNODES", 1)),
+        "distributed": {"world_size": world.size, "nnodes": int(os.environ.get("NNODES") or 1),
                         "strategy": distributed.strategy(cfg, world.size), "global_batch": batch_line},
     })
     mf.write_json(out_dir / "manifest.json", record)
