@@ -2,6 +2,7 @@
 
     python bench/seed_recipe.py                                  # 8B shape, LoRA and QLoRA, 10 steps each
     python bench/seed_recipe.py --runs seed:lora ours:lora --steps 20 -- model.random_init.tokenizer_dir=/tok
+    python bench/seed_recipe.py --runs ours:lora ours:lora@8x2     # @RxA: R rows per micro-batch x A accumulation
 
 (a) `seed:*` is the guide's train.py (../shared/seeds, guide-private-qlora) written as plain TRL code: SFTTrainer,
     LoRA r16 alpha 32 dropout 0.05 on all linear layers, batch 4 x grad-accum 4, max_length 2048, bf16, TRL's
@@ -147,7 +148,14 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) 
             "mfu": t["mfu"], "final_loss": metrics["train_loss_curve"][-1][1], "peak_gib": t["peak_gpu_memory_gib"],
             "reserved_gib": t["peak_gpu_reserved_gib"], "steps": metrics["global_step"],
             "tokens_seen": metrics["tokens_seen"], "step_seconds": t["step_seconds"],
-            "fast_path": manifest["fast_path"], "adapter_sha256": manifest["outputs"]["adapter"]["sha256"]}
+            "fast_path": manifest["fast_path"], "adapter_sha256": manifest["outputs"]["adapter"]["sha256"],
+            "planned_peak_gib": planned_peak(root)}
+
+
+def planned_peak(root: Path) -> float | None:
+    """make train's preflight prediction (outputs/plan.json), to set next to the measured peak."""
+    path = root / "outputs/plan.json"
+    return json.loads(path.read_text())["memory"]["peak_gib"] if path.exists() else None
 
 
 def main() -> None:
@@ -174,7 +182,12 @@ def main() -> None:
     results = {}
     for run in args.runs:
         who, method = run.split(":")
-        root = args.out / run.replace(":", "-")
+        method, _, shape = method.partition("@")  # ours:lora@8x2: 8 rows x 2 accumulation (same global batch)
+        extra = []
+        if shape:
+            rows, accum = shape.split("x")
+            extra = [f"train.per_device_train_batch_size={rows}", f"train.gradient_accumulation_steps={accum}"]
+        root = args.out / run.replace(":", "-").replace("@", "-")
         root.mkdir(parents=True, exist_ok=True)
         if who == "seed":
             result = root / "result.json"
@@ -185,22 +198,34 @@ def main() -> None:
             (root / "data").mkdir(exist_ok=True)
             if not (root / "data" / "prepared").exists():
                 (root / "data" / "prepared").symlink_to(data.parent.resolve())
-            results[run] = ours(args.model, method, root, args.steps, args.overrides)
+            results[run] = ours(args.model, method, root, args.steps, [*args.overrides, *extra])
         print(json.dumps({run: results[run]}), flush=True)
     (args.out / "results.json").write_text(json.dumps({"data": stats, "results": results}, indent=1))
     print_table(args.model, args.steps, results)
 
 
 def print_table(model: str, steps: int, results: dict) -> None:
-    print(f"\n{model}, {steps} optimizer steps of 4 x 4 (packed rows for ours), H200 bf16 peak 790 TFLOP/s\n")
-    print("| run | tokens/s (steady) | tokens/s (whole run) | MFU | peak GiB (alloc / reserved) | loss at last step "
-          "| x seed |\n|---|---|---|---|---|---|---|")
+    print(f"\n{model}, {steps} optimizer steps of 16 rows (4 x 4 unless stated; packed rows for ours), "
+          "H200 bf16 peak 790 TFLOP/s\n")
+    print("| run | setting | tokens/s (steady) | tokens/s (whole run) | MFU | peak GiB (alloc / reserved) "
+          "| planned peak GiB | loss at last step | x seed |\n|---|---|---|---|---|---|---|---|---|")
     for run, r in results.items():
-        base = results.get("seed:" + run.split(":")[1])
+        base = results.get("seed:" + run.split(":")[1].split("@")[0])
         ratio = (r["steady_tokens_per_s"] / base["steady_tokens_per_s"]) if base and base["steady_tokens_per_s"] else None
-        print(f"| {run} | {r['steady_tokens_per_s'] or 0:,.0f} | {r['tokens_per_s']:,.0f} | "
-              f"{(r['mfu'] or 0) * 100:.1f}% | {r['peak_gib']:.1f} / {r['reserved_gib']:.1f} | {r['final_loss']:.3f} | "
-              f"{f'{ratio:.2f}x' if ratio else '-'} |")
+        planned = r.get("planned_peak_gib")
+        print(f"| {run} | {setting(r)} | {r['steady_tokens_per_s'] or 0:,.0f} | {r['tokens_per_s']:,.0f} | "
+              f"{(r['mfu'] or 0) * 100:.1f}% | {r['peak_gib']:.1f} / {r['reserved_gib']:.1f} | "
+              f"{f'{planned:.1f}' if planned else '-'} | {r['final_loss']:.3f} | {f'{ratio:.2f}x' if ratio else '-'} |")
+
+
+def setting(r: dict) -> str:
+    """rows x accumulation and checkpointing, as the run chose them (the seed recipe: 4 x 4, every layer)."""
+    fp = r.get("fast_path")
+    if not fp:
+        return "4x4, ckpt all"
+    every = fp.get("checkpoint_every_n_layers", 1)
+    ckpt = "ckpt off" if not fp["activation_checkpointing"] else ("ckpt all" if every == 1 else f"ckpt 1/{every}")
+    return f"{fp['per_device_train_batch_size']}x{fp['gradient_accumulation_steps']}, {ckpt}"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ class FastPath:
     attn_implementation: str | None  # None: the model's default (SDPA)
     liger: bool
     activation_checkpointing: bool
+    checkpoint_every_n_layers: int  # transformers' every_n_layers: 1 = every decoder layer
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     reasons: tuple[str, ...]
@@ -53,7 +55,10 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def choose(cfg: DictConfig, device: str, fitted: tuple[int, int, bool, str] | None = None) -> FastPath:
+Fit = tuple[int, int, bool, int, str]  # rows per micro-batch, accumulation, checkpointing, every_n_layers, why
+
+
+def choose(cfg: DictConfig, device: str, fitted: Fit | None = None) -> FastPath:
     """The speed settings of a run, from hardware.* and train.packing ('auto' or null: decided here)."""
     hw = cfg.hardware
     fast = device == "cuda" if _auto(hw.get("fast_path", "auto")) else bool(hw.fast_path)
@@ -80,13 +85,15 @@ def choose(cfg: DictConfig, device: str, fitted: tuple[int, int, bool, str] | No
 
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt = hw.gradient_checkpointing
+    every = int((cfg.train.get("activation_checkpointing_kwargs") or {}).get("every_n_layers", 1))
     if _auto(ckpt):
         ckpt = False
         if device == "cuda" and fitted:
-            rows, accum, ckpt, why = fitted
+            rows, accum, ckpt, every, why = fitted
             reasons.append(why)
     return FastPath(packing=packing, attn_implementation=attn, liger=liger, activation_checkpointing=bool(ckpt),
-                    per_device_train_batch_size=rows, gradient_accumulation_steps=accum, reasons=tuple(reasons))
+                    checkpoint_every_n_layers=every if ckpt else 1, per_device_train_batch_size=rows,
+                    gradient_accumulation_steps=accum, reasons=tuple(reasons))
 
 
 # ------------------------------------------------------------------------------- memory (interim rule)
@@ -114,17 +121,23 @@ def estimate_peak_bytes(model_config: Any, tokens: int, four_bit: bool, liger: b
     return weight_bytes(c, four_bit) + tokens * per_token + 1.5 * GIB
 
 
+# QLoRA is how a run fits a 24 GB card, so its default plan must: 22 GiB of card (reserved + CUDA context + margin)
+# is a peak of ~20 GiB allocated, and leaves 1.5 GiB of an RTX 4090's 23.5 GiB to a desktop or a second process
+QLORA_BUDGET_GIB = 22.0
+
+
 def memory_budget(cfg: DictConfig, free_bytes: int) -> float:
-    """hardware.memory_budget_gib, or auto: 20 GiB for 4-bit runs (QLoRA is how a run fits a 24 GB card, so its
-    default plan must), else 90% of the GPU's free memory."""
+    """hardware.memory_budget_gib (what the run may take of the card: reserved + CUDA context), or auto:
+    QLORA_BUDGET_GIB for 4-bit runs, else 90% of the GPU's free memory."""
     budget = cfg.hardware.get("memory_budget_gib", "auto")
     if _auto(budget):
-        return 20 * GIB if quantization(cfg) else 0.9 * free_bytes
+        return QLORA_BUDGET_GIB * GIB if quantization(cfg) else 0.9 * free_bytes
     return float(budget) * GIB
 
 
-def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bool) -> tuple[int, int, bool, str]:
-    """(rows per micro-batch, gradient accumulation, checkpointing, why), keeping the configured global batch.
+def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bool) -> Fit:
+    """(rows per micro-batch, gradient accumulation, checkpointing, every_n_layers, why), keeping the configured
+    global batch; the rule used when make plan's model does not know the architecture (all layers or none).
 
     Order measured on the H200 (8B QLoRA, 4 x 1,100-token rows would need 23.6 GiB): checkpointing at the full
     micro-batch (6,376 tokens/s, 6.4 GiB) beat halving the micro-batch without it (4,985 tokens/s, 14.0 GiB),
@@ -134,12 +147,12 @@ def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bo
     gib = f"of a {budget / GIB:.1f} GiB budget"
     need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=False)
     if need <= budget:
-        return rows, accum, False, f"checkpointing off: ~{need / GIB:.1f} GiB {gib}"
+        return rows, accum, False, 1, f"checkpointing off: ~{need / GIB:.1f} GiB {gib}"
     for r in [r for r in range(rows, 0, -1) if rows % r == 0]:
         need = estimate_peak_bytes(model_config, r * length, four_bit, liger, checkpointing=True)
         if need <= budget or r == 1:
             smaller = f"; micro-batch {rows} -> {r} rows, accumulation {accum} -> {accum * rows // r}" if r != rows else ""
-            return r, accum * rows // r, True, f"checkpointing on: ~{need / GIB:.1f} GiB {gib}{smaller}"
+            return r, accum * rows // r, True, 1, f"checkpointing on: ~{need / GIB:.1f} GiB {gib}{smaller}"
     raise AssertionError("unreachable: r == 1 returns")
 
 
@@ -160,13 +173,21 @@ def attention_flops_per_token(model_config: Any, mean_context: float) -> float:
     return 2.0 * 2.0 * c.num_hidden_layers * c.hidden_size * mean_context / 2.0
 
 
-def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: bool) -> float:
+def recomputed_share(model_config: Any, fast: FastPath) -> float:
+    """The share of decoder layers recomputed in the backward (transformers checkpoints layers 0, n, 2n, ...)."""
+    if not fast.activation_checkpointing:
+        return 0.0
+    layers = model_config.num_hidden_layers
+    return math.ceil(layers / fast.checkpoint_every_n_layers) / layers
+
+
+def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: float) -> float:
     """FLOPs per token of a LoRA/QLoRA training step on a frozen base: forward, the input-gradient half of the
     backward (frozen weights need no weight gradient), attention backward ~2x its forward, and one more forward
-    when activations are recomputed. The adapters' own FLOPs (rank 16) are under 1% and left out."""
+    for the recomputed share of the layers. The adapters' own FLOPs (rank 16) are under 1% and left out."""
     dense = matmul_flops_per_token(model_config)
     attn = attention_flops_per_token(model_config, mean_example_tokens)
-    return (2 + int(recompute)) * dense + (3 + int(recompute)) * attn
+    return (2 + float(recompute)) * dense + (3 + float(recompute)) * attn
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF16_FLOPS) -> float:

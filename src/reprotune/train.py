@@ -109,6 +109,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         activation_checkpointing=fast.activation_checkpointing,
+        activation_checkpointing_kwargs=checkpointing_kwargs(keys, fast),
         report_to=[] if report_to in (None, "none") else report_to,
         push_to_hub=False,
         dataloader_num_workers=0,
@@ -119,6 +120,14 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         **distributed.trainer_arguments(cfg, world_size),
     )
     return SFTConfig(**keys)
+
+
+def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any] | None:
+    """train.activation_checkpointing_kwargs with the fitted every_n_layers (some layers checkpointed, not all)."""
+    kwargs = dict(keys.get("activation_checkpointing_kwargs") or {})
+    if fast.activation_checkpointing and fast.checkpoint_every_n_layers > 1:
+        kwargs["every_n_layers"] = fast.checkpoint_every_n_layers
+    return kwargs or None
 
 
 def config_fingerprint(cfg: DictConfig) -> str:
@@ -439,7 +448,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     tokens_seen = int(trainer.state.num_input_tokens_seen)
     steady = timer.steady_tokens_per_second()
     step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, len(rows)),
-                                                 fast.activation_checkpointing)
+                                                 speed.recomputed_share(trainer.model.config, fast))
     metrics = {
         "global_step": int(trainer.state.global_step),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
