@@ -76,6 +76,7 @@ def prepare(out: Path, model: str, overrides: list[str], n: int, source: Path | 
 
     cfg = compose([f"model={model}", *[o for o in overrides if o.startswith("model.")]])
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    release_gpu_memory()  # a random-init model is built on the GPU; the runs below must find all of it free
     data = out / "data" / "prepared" / "train.jsonl"
     tok = AutoTokenizer.from_pretrained(model_dir)
     if not data.is_file():
@@ -90,6 +91,16 @@ def prepare(out: Path, model: str, overrides: list[str], n: int, source: Path | 
     stats = {"examples": len(lengths), "min": min(lengths), "mean": sum(lengths) / len(lengths),
              "max": max(lengths)}
     return model_dir, data, stats
+
+
+def release_gpu_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------- (a) the seed recipe

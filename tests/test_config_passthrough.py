@@ -33,6 +33,18 @@ def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
     assert args.learning_rate == 3e-4 and args.save_total_limit is None and args.report_to in ([], "none", None)
 
 
+def test_fitted_partial_checkpointing_reaches_sftconfig(tmp_path: Path) -> None:
+    """A fit of 'every 4th layer' (make plan's preflight on a GPU) becomes transformers' every_n_layers, next to
+    the user's own activation_checkpointing_kwargs; with checkpointing off nothing is added."""
+    cfg = compose([f"paths.root={tmp_path}", "++train.activation_checkpointing_kwargs={use_reentrant: false}"])
+    fitted = speed.choose(cfg, "cuda", fitted=(4, 4, True, 4, "plan: test"))
+    args = sft_config(cfg, "cpu", "float32", has_val=False, fast=fitted)
+    assert args.activation_checkpointing is True
+    assert args.activation_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 4}
+    off = sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cuda", (4, 4, False, 1, "x")))
+    assert off.activation_checkpointing is False and off.activation_checkpointing_kwargs == {"use_reentrant": False}
+
+
 def test_unknown_train_key_fails_with_trls_message(tmp_path: Path) -> None:
     cfg = compose([f"paths.root={tmp_path}", "+train.learning_rat=1e-4"])
     with pytest.raises(TypeError, match="unexpected keyword argument 'learning_rat'"):

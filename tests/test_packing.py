@@ -169,8 +169,8 @@ def _shape(**kw):
 def test_memory_fit_keeps_the_global_batch(method: str, budget_gib: float, ckpt: bool) -> None:
     cfg = compose([f"method={method}", "data.max_length=1100", "train.per_device_train_batch_size=4",
                    "train.gradient_accumulation_steps=4"])
-    rows, accum, on, why = speed.fit_micro_batch(cfg, _shape(), budget_gib * speed.GIB, liger=True)
-    assert rows * accum == 16 and on is ckpt, why
+    rows, accum, on, every, why = speed.fit_micro_batch(cfg, _shape(), budget_gib * speed.GIB, liger=True)
+    assert rows * accum == 16 and on is ckpt and every == 1, why
     # the H200 measurements the rule was fitted to: the estimate must not be under them
     assert speed.estimate_peak_bytes(_shape(), 4400, True, True, False) >= 23.57 * speed.GIB
     assert speed.estimate_peak_bytes(_shape(), 4400, False, True, False) >= 33.47 * speed.GIB
@@ -179,7 +179,8 @@ def test_memory_fit_keeps_the_global_batch(method: str, budget_gib: float, ckpt:
 
 def test_qlora_default_budget_is_a_24gb_card() -> None:
     cfg = compose(["method=qlora"])
-    assert speed.memory_budget(cfg, 140 * speed.GIB) == 20 * speed.GIB
+    assert speed.memory_budget(cfg, 140 * speed.GIB) == 22 * speed.GIB  # of card: ~20 GiB peak allocated
+    assert speed.memory_budget(cfg, 140 * speed.GIB) < 23.5 * speed.GIB  # an RTX 4090 as torch sees it
     assert speed.memory_budget(compose(["method=lora"]), 100 * speed.GIB) == 90 * speed.GIB
 
 

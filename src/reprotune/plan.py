@@ -379,7 +379,7 @@ def overrides_for(s: Settings, base: Settings) -> list[str]:
         out.append("method=qlora")
     out.append(f"hardware.gradient_checkpointing={str(s.checkpointing).lower()}")
     if s.checkpointing and s.ckpt_every > 1:
-        out.append(f"+train.activation_checkpointing_kwargs.every_n_layers={s.ckpt_every}")
+        out.append(f"++train.activation_checkpointing_kwargs.every_n_layers={s.ckpt_every}")
     if s.batch_size != base.batch_size:
         out += [f"train.per_device_train_batch_size={s.batch_size}", f"train.gradient_accumulation_steps={s.grad_accum}"]
     return out

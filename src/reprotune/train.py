@@ -122,12 +122,12 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
     return SFTConfig(**keys)
 
 
-def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any] | None:
+def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any]:
     """train.activation_checkpointing_kwargs with the fitted every_n_layers (some layers checkpointed, not all)."""
     kwargs = dict(keys.get("activation_checkpointing_kwargs") or {})
     if fast.activation_checkpointing and fast.checkpoint_every_n_layers > 1:
         kwargs["every_n_layers"] = fast.checkpoint_every_n_layers
-    return kwargs or None
+    return kwargs
 
 
 def config_fingerprint(cfg: DictConfig) -> str:
