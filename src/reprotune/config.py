@@ -60,3 +60,8 @@ if __name__ == "__main__":
 
     dump_params(sys.argv[1:], Path("params.yaml"))
     print("wrote params.yaml")
+
+
+def every_n_layers(cfg: DictConfig) -> int:
+    """train.activation_checkpointing_kwargs.every_n_layers (transformers' knob), 1 when unset."""
+    return int((cfg.train.get("activation_checkpointing_kwargs") or {}).get("every_n_layers", 1))

@@ -28,7 +28,8 @@ import hydra
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune.config import CONF_DIR, quantization
+from reprotune import speed
+from reprotune.config import CONF_DIR, every_n_layers, quantization
 
 log = logging.getLogger("reprotune.plan")
 
@@ -213,7 +214,6 @@ def settings_from_cfg(cfg: DictConfig, checkpointing: bool | None = None) -> Set
     ckpt = hw.gradient_checkpointing if checkpointing is None else checkpointing
     cpu_fp32 = hw.dtype == "float32" or (hw.dtype == "auto" and not cuda)
     quant = quantization(cfg) or {}
-    every = (train.get("activation_checkpointing_kwargs") or {}).get("every_n_layers", 1)
     return Settings(method=str(method.name), load_in_4bit=bool(quant.get("load_in_4bit", False)),
                     double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
                     dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
@@ -221,7 +221,7 @@ def settings_from_cfg(cfg: DictConfig, checkpointing: bool | None = None) -> Set
                     packing=packing, batch_size=int(train.per_device_train_batch_size),
                     grad_accum=int(train.gradient_accumulation_steps), max_length=int(train.max_length),
                     eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
-                    dtype_bytes=4 if cpu_fp32 else 2, liger=liger, input_casts=False, ckpt_every=int(every))
+                    dtype_bytes=4 if cpu_fp32 else 2, liger=liger, input_casts=False, ckpt_every=every_n_layers(cfg))
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -290,11 +290,6 @@ def lm_head_bytes(shape: Shape, tokens: int, assistant_share: float, consts: dic
     return lm["tiles_live"] * tile + lm["per_valid_token_h_coef"] * shape.hidden * valid
 
 
-def checkpointed_layers(layers: int, s: Settings) -> int:
-    """Decoder layers whose activations are recomputed: transformers checkpoints layers 0, n, 2n, ..."""
-    return math.ceil(layers / max(1, s.ckpt_every)) if s.checkpointing else 0
-
-
 def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
            consts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted peak of torch.cuda.max_memory_allocated for these settings, by part (bytes and GiB)."""
@@ -305,7 +300,7 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
     lm = lm_head_bytes(shape, tokens, share, consts)
     dequant = p.largest_linear * 2 * consts["weights"]["dequant_temp_layers"] if s.load_in_4bit else 0.0
     static = weight_bytes(p, s, consts) + adapter_bytes(p, s, consts)
-    k = checkpointed_layers(shape.layers, s)
+    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     if k == shape.layers:
         # backward: the loss head first, then one layer at a time is recomputed next to the saved layer inputs
         dynamic = act["checkpointing"] + max(lm, act["recompute_layer"] + act["backward_transient"]) + dequant
@@ -340,11 +335,11 @@ PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing
 
 
 def candidate_settings(s: Settings) -> list[Settings]:
-    """From fastest to smallest: no checkpointing, checkpointing, smaller micro-batches (same effective batch),
-    then QLoRA for a 16-bit LoRA."""
+    """From fastest to smallest: no checkpointing, every n-th layer checkpointed, every layer, smaller
+    micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
     ladder = [replace(s, checkpointing=False)]
-    # some layers checkpointed before all of them: recomputing k of L layers costs ~k/L of full checkpointing's
-    # time (8B QLoRA on the H200: no checkpointing 10,282 tok/s, every layer 6,376)
+    # some layers before all of them (8B QLoRA, 4 rows, H200: none 10,282 tok/s, every 4th layer 7,753,
+    # every layer 6,376)
     ladder += [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
     ladder.append(replace(s, checkpointing=True, ckpt_every=1))
     for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:  # as reprotune.speed
@@ -657,8 +652,8 @@ def preflight(cfg: DictConfig, device: str,
               budget_bytes: float | None = None) -> tuple[int, int, bool, int, str] | None:
     """Before `make train` loads the model, on a GPU: plan, write outputs/plan.json, and return (rows per
     micro-batch, gradient accumulation, checkpointing, every_n_layers, why) fitted to budget_bytes
-    (reprotune.speed's memory budget; the GPU's free memory when None) in the order of candidate_settings:
-    checkpointing off, every n-th layer, every layer, then fewer rows. Stops with one line (exit 2) when even that cannot fit the free memory. None on a CPU."""
+    (reprotune.speed's memory budget; the GPU's free memory when None) in the order of candidate_settings.
+    Stops with one line (exit 2) when even that cannot fit the free memory. None on a CPU."""
     if device != "cuda":
         return None
     import torch
@@ -683,8 +678,8 @@ def preflight(cfg: DictConfig, device: str,
 
 def fit_to_budget(cfg: DictConfig, shape: Shape, data: DataShape | None, budget_bytes: float,
                   consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
-    """The first setting in candidate_settings' order (checkpointing off, every n-th layer, every layer, fewer
-    rows; the method is never changed) whose card need fits the budget, else the smallest; as configured when checkpointing is forced."""
+    """The first setting in candidate_settings' order (the method is never changed) whose card need fits the
+    budget, else the smallest; as configured when checkpointing is forced."""
     s = settings_from_cfg(cfg)
     forced = not _auto(cfg.hardware.gradient_checkpointing)
     ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]

@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune.config import quantization
+from reprotune.config import every_n_layers, quantization
 
 log = logging.getLogger("reprotune.speed")
 
@@ -85,7 +85,7 @@ def choose(cfg: DictConfig, device: str, fitted: Fit | None = None) -> FastPath:
 
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt = hw.gradient_checkpointing
-    every = int((cfg.train.get("activation_checkpointing_kwargs") or {}).get("every_n_layers", 1))
+    every = every_n_layers(cfg)
     if _auto(ckpt):
         ckpt = False
         if device == "cuda" and fitted:
@@ -173,12 +173,17 @@ def attention_flops_per_token(model_config: Any, mean_context: float) -> float:
     return 2.0 * 2.0 * c.num_hidden_layers * c.hidden_size * mean_context / 2.0
 
 
+def checkpointed_layers(layers: int, every: int) -> int:
+    """Decoder layers recomputed in the backward: transformers checkpoints layers 0, n, 2n, ..."""
+    return math.ceil(layers / max(1, every))
+
+
 def recomputed_share(model_config: Any, fast: FastPath) -> float:
-    """The share of decoder layers recomputed in the backward (transformers checkpoints layers 0, n, 2n, ...)."""
+    """The share of decoder layers recomputed in the backward."""
     if not fast.activation_checkpointing:
         return 0.0
     layers = model_config.num_hidden_layers
-    return math.ceil(layers / fast.checkpoint_every_n_layers) / layers
+    return checkpointed_layers(layers, fast.checkpoint_every_n_layers) / layers
 
 
 def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: float) -> float:
