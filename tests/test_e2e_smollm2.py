@@ -1,10 +1,9 @@
-"""End to end on the built-in SmolLM2 (slow: about a minute of CPU training; runs in CI)."""
+"""End to end on the built-in SmolLM2 (slow: about a minute of CPU training, shared with the other SmolLM2 tests
+through conftest's smollm2_run; runs in CI)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,9 @@ from reprotune.config import compose
 
 
 @pytest.mark.slow
-def test_make_train_style_run_on_smollm2(workspace: tuple[Path, list[str]]) -> None:
-    root, overrides = workspace
-    cmd = [sys.executable, "-m", "reprotune.train", *overrides, "train.max_steps=12", "train.logging_steps=1",
-           "train.per_device_train_batch_size=2", "train.save_steps=6"]
-    subprocess.run(cmd, check=True, timeout=1800)
+def test_make_train_style_run_on_smollm2(smollm2_run: tuple[Path, list[str]]) -> None:
+    """The run: `python -m reprotune.train` with 12 steps of 2 rows, checkpoints at 6 (conftest.smollm2_run)."""
+    root, _ = smollm2_run
     metrics = json.loads((root / "outputs/train/metrics.json").read_text())
     losses = [loss for _, loss in metrics["train_loss_curve"]]
     assert metrics["global_step"] == 12

@@ -1,5 +1,6 @@
-"""End to end on the built-in SmolLM2 with a short-trained adapter: merge -> GGUF (F16, Q4_K_M) -> parity.
-Greedy parity on a random tiny model says little; on a real model the F16 GGUF must answer like HF."""
+"""End to end on the built-in SmolLM2 with a short-trained adapter (conftest's shared smollm2_run, 12 steps):
+merge -> GGUF (F16, Q4_K_M) -> parity. Greedy parity on a random tiny model says little; on a real model the F16
+GGUF must answer like HF."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ import pytest
 
 from reprotune.config import compose
 
+from .conftest import copy_run
+
 
 @pytest.mark.slow
-def test_smollm2_export_answers_like_the_hf_model(workspace: tuple[Path, list[str]]) -> None:
+def test_smollm2_export_answers_like_the_hf_model(smollm2_run: tuple[Path, list[str]], tmp_path: Path) -> None:
     from reprotune.gguf import gguf
     from reprotune.merge import merge
-    from reprotune.train import train
 
-    root, overrides = workspace
-    overrides = [*overrides, "train.max_steps=2", "train.save_steps=100", "train.logging_steps=1",
-                 "export.merge.prompts=2", "export.parity.examples=4", "export.parity.max_new_tokens=64"]
-    train(compose(overrides))
+    root, overrides = copy_run(smollm2_run, tmp_path / "run")  # merge and gguf write under paths.root
+    overrides = [*overrides, "export.merge.prompts=2", "export.parity.examples=4", "export.parity.max_new_tokens=64"]
     merge_parity = merge(compose(overrides))["parity"]
     assert merge_parity["fp32_merge"]["max_abs_diff"] <= 1e-3
     assert merge_parity["saved"]["top1_agreement"] >= 0.98
