@@ -22,6 +22,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import hydra
@@ -381,29 +382,93 @@ def overrides_for(s: Settings, base: Settings) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- time/cost
-def flops_per_token(p: Params, checkpointing: bool) -> float:
-    """Hardware FLOPs per trained token: forward 2N + input gradients 2N (the base is frozen), + 2N recompute."""
-    return (4 + (2 if checkpointing else 0)) * p.total
+def as_model_config(shape: Shape) -> SimpleNamespace:
+    """The config.json attributes reprotune.speed's FLOP counts read (the same counts as the manifest's MFU)."""
+    return SimpleNamespace(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                           num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                           num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab)
 
 
-def tokens_per_second(p: Params, s: Settings, gpu: str, tables: dict[str, Any]) -> tuple[float, str]:
+@dataclass(frozen=True)
+class MicroStep:
+    counted: float    # tokens per micro-step that tokens/s counts (packed: all; unpacked: non-padding)
+    computed: float   # tokens the GPU computes (unpacked: padded to the longest example of the micro-batch)
+    context: float    # mean attention context per token (block-diagonal when packed)
+
+
+def micro_step(s: Settings, data: DataShape | None) -> MicroStep:
+    """Tokens of a typical micro-step. Unpacked rows are padded to the micro-batch's longest example: its
+    expected length assumes lengths spread evenly between (2 mean - max) and max (only mean and max are known)."""
+    if data is None:
+        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, s.max_length / 2)
+    mean, longest = min(data.mean_tokens, s.max_length), min(data.max_tokens, s.max_length)
+    if s.packing:
+        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, mean)
+    shortest = max(1.0, 2 * mean - longest)
+    padded = shortest + (longest - shortest) * s.batch_size / (s.batch_size + 1)
+    return MicroStep(s.batch_size * mean, s.batch_size * padded, padded)
+
+
+def code_path(s: Settings) -> str:
+    """The throughput classes of conf/plan/throughput.yaml: the fast path (Liger's fused kernels, no PEFT input
+    casts) and the unfused SDPA path it replaced."""
+    return "fast" if s.liger else "unfused"
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one micro-step does, for the throughput model (docs/plan.md)."""
+    path: str            # "fast" or "unfused" (code_path)
+    qlora: bool
+    flops: float         # FLOPs per computed token (reprotune.speed's count, recompute included)
+    step: MicroStep
+    layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
+    recomputed: int      # checkpointed (recomputed) layers
+
+
+def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
+    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
+    step = micro_step(s, data)
+    flops = speed.lora_step_flops_per_token(as_model_config(shape), step.context, k / shape.layers)
+    return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, step=step,
+                    layer_passes=2 * shape.layers + k, recomputed=k)
+
+
+def overhead_terms(w: StepWork) -> dict[str, float]:
+    """The per-micro-step counts (milliseconds per unit in throughput.yaml) the overhead constants multiply."""
+    return {f"{w.path}.layer_pass_ms": w.layer_passes,
+            f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
+            "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0}
+
+
+def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]:
+    """Seconds per counted token on the H200, by term: the GEMMs at the measured dense bf16 rate, and a cost per
+    decoder-layer pass and micro-step (kernel launches, unfused element-wise work, LoRA's rank-16 products,
+    attention; for QLoRA the NF4 dequantisation of each pass, and an extra cost per recomputed layer)."""
+    m = tp["model"]
+
+    def const(key: str) -> float:
+        node = m
+        for part in key.split("."):
+            node = node[part]
+        return float(node)
+
+    overhead_ms = sum(n * const(key) for key, n in overhead_terms(w).items() if n)
+    return {"gemm": w.flops * w.step.computed / m["dense_bf16_flops"] / w.step.counted,
+            "overhead": overhead_ms / 1e3 / w.step.counted}
+
+
+def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: str,
+                      tables: dict[str, Any]) -> tuple[float, str]:
+    """The throughput model on the H200 (docs/plan.md); other GPUs: scaled by their bf16 peak (unmeasured)."""
     tp = tables["throughput"]
-    peak = tp["gpus"][gpu]["tflops"] * 1e12
-    method = "qlora" if s.load_in_4bit else "lora"
-    rows = [m for m in tp["measured"] if m["method"] == method and m["checkpointing"] == s.checkpointing
-            and m["packing"] == s.packing and m.get("liger", False) == s.liger]
-    if rows:
-        best = min(rows, key=lambda m: (m["gpu"] != gpu, abs(math.log(m["params_b"] * 1e9 / p.total))))
-        entry_params = best["params_b"] * 1e9
-        util = best["tokens_per_second"] * (4 + (2 if s.checkpointing else 0)) * entry_params / (
-            tp["gpus"][best["gpu"]]["tflops"] * 1e12)
-        how = (f"measured {best['tokens_per_second']:,} tok/s ({best['model']}, {best['gpu']})"
-               + ("" if best["gpu"] == gpu else f"; its utilisation {util:.1%} applied to {gpu}'s bf16 peak (unmeasured)"))
-    else:
-        util = tp["fallback_mfu"]
-        how = f"FLOPs / stated utilisation {util:.0%} (no measured row for {method}, "\
-              f"checkpointing {s.checkpointing}, packing {s.packing})"
-    return util * peak / flops_per_token(p, s.checkpointing), how
+    t = model_seconds_per_token(step_work(shape, s, data), tp)
+    tps = 1 / (t["gemm"] + t["overhead"])
+    how = f"model ({code_path(s)} path): GEMMs {t['gemm'] / (t['gemm'] + t['overhead']):.0%} of the time"
+    if gpu != "H200":
+        tps *= tp["gpus"][gpu]["tflops"] / tp["gpus"]["H200"]["tflops"]
+        how += f"; scaled from the H200 by {gpu}'s bf16 peak (unmeasured)"
+    return tps, how
 
 
 def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
@@ -432,8 +497,10 @@ def time_and_cost(shape: Shape, s: Settings, data: DataShape | None, cfg: DictCo
         row: dict[str, Any] = {"gpu": gpu, "fits": fit is not None}
         if fit and run:
             cand = fit[0]
-            p = count_params(shape, list(cand.targets), cand.r, cand.dora)
-            tps, how = tokens_per_second(p, cand, gpu, tables)
+            tps, how = tokens_per_second(shape, cand, data, gpu, tables)
+            seen = measured_run(str(cfg.model.name), cand, data) if gpu == "H200" else None
+            if seen:
+                tps, how = seen["measured"]["tokens_per_second"], f"measured: {seen['name']} (conf/plan/calibration.json)"
             hours = run["tokens_trained"] / tps / 3600
             row.update({"setting": describe(cand), "tokens_per_second": round(tps), "throughput_source": how,
                         "epoch_hours": round(run["tokens_per_epoch"] / tps / 3600, 3), "run_hours": round(hours, 3),
@@ -565,36 +632,65 @@ def load_calibration(path: Path | None = None) -> list[dict[str, Any]]:
     return json.loads((path or PLAN_DIR / "calibration.json").read_text())
 
 
-def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The plan's prediction for one measured configuration (its overrides and its recorded data shape)."""
+def entry_settings(entry: dict[str, Any]) -> tuple[DictConfig, Settings]:
+    """The composed config and the plan's settings of one measured configuration (its code_flags applied)."""
     from reprotune.config import compose
 
     cfg = compose([o for o in entry["overrides"] if not o.startswith(("paths.", "data.path="))])
-    s = replace(settings_from_cfg(cfg), **entry.get("code_flags", {}))
+    return cfg, replace(settings_from_cfg(cfg), **entry.get("code_flags", {}))
+
+
+def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None,
+                  throughput: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plan's prediction for one measured configuration (its overrides and its recorded data shape); tokens/s
+    from the throughput model alone, never from the measurement itself."""
+    cfg, s = entry_settings(entry)
     shape = model_shape(cfg.model)
     p = count_params(shape, list(s.targets), s.r, s.dora)
     data = DataShape(**entry["data_shape"])
     mem = memory(shape, p, s, data, consts or load_table("memory.yaml"))
-    tps, _ = tokens_per_second(p, s, "H200", {"throughput": load_table("throughput.yaml")})
+    tps, _ = tokens_per_second(shape, s, data, "H200", {"throughput": throughput or load_table("throughput.yaml")})
     return {"peak_gib": mem["peak_gib"], "reserved_gib": mem["reserved_gib"], "tokens_per_second": round(tps),
-            "parts_gib": mem["parts_gib"]}
+            "parts_gib": mem["parts_gib"], "model": str(cfg.model.name), "settings": asdict(s),
+            "work": step_work(shape, s, data)}
 
 
-def calibration_errors(entries: list[dict[str, Any]], consts: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """(predicted - measured) / measured for every entry with a measured peak."""
+def calibration_errors(entries: list[dict[str, Any]], consts: dict[str, Any] | None = None,
+                       throughput: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """(predicted - measured) / measured of the peak and of tokens/s, for every entry with a measured peak."""
     rows = []
     for e in entries:
         measured = (e.get("measured") or {}).get("peak_allocated_gib")
         if not measured:
             continue
-        pred = predict_entry(e, consts)
+        pred = predict_entry(e, consts, throughput)
+        tps = e["measured"].get("tokens_per_second")
         rows.append({"name": e["name"], "predicted_gib": pred["peak_gib"], "measured_gib": measured,
                      "error": round((pred["peak_gib"] - measured) / measured, 4),
                      "measured_reserved_gib": e["measured"].get("peak_reserved_gib"),
                      "predicted_reserved_gib": pred["reserved_gib"],
-                     "measured_tokens_per_second": e["measured"].get("tokens_per_second"),
-                     "predicted_tokens_per_second": pred["tokens_per_second"]})
+                     "measured_tokens_per_second": tps,
+                     "predicted_tokens_per_second": pred["tokens_per_second"],
+                     "tokens_per_second_error": round((pred["tokens_per_second"] - tps) / tps, 4) if tps else None,
+                     "tokens_per_second_outlier": e.get("tokens_per_second_outlier"),
+                     "left_out_of_fit": e.get("left_out_of_throughput_fit"),
+                     "model": pred["model"], "settings": pred["settings"], "work": pred["work"]})
     return rows
+
+
+def measured_run(model_name: str, s: Settings, data: DataShape | None) -> dict[str, Any] | None:
+    """A committed H200 measurement of exactly this configuration: the same model preset, the same settings
+    (recorded as plan_settings by bench/plan_calibrate.py --table --write) and data of the same mean length."""
+    if data is None:
+        return None
+    wanted = json.loads(json.dumps(asdict(s)))  # as stored: tuples become lists
+    for e in load_calibration():
+        mean = e.get("data_shape", {}).get("mean_tokens") or 0
+        if (e.get("plan_model") == model_name and e.get("plan_settings") == wanted
+                and abs(mean - data.mean_tokens) <= 0.02 * mean and (e.get("measured") or {}).get("tokens_per_second")
+                and not e.get("tokens_per_second_outlier")):
+            return e
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -629,11 +725,12 @@ def format_plan(plan: dict[str, Any]) -> str:
                 lines.append(f"    {row['gpu']:9s} does not fit")
                 continue
             costs = ", ".join(f"{k} ${v:.2f}" for k, v in row["cost_usd"].items() if v is not None)
-            scaled = "*" if "unmeasured" in row["throughput_source"] or "stated" in row["throughput_source"] else " "
+            scaled = "*" if "unmeasured" in row["throughput_source"] else " "
             lines.append(f"    {row['gpu']:9s} {row['tokens_per_second']:>6,} tok/s{scaled} epoch {row['epoch_hours'] * 60:7.1f} min"
                          f"  run {row['run_hours'] * 60:7.1f} min  {costs}")
-        lines.append("    (* not measured on that GPU: scaled by bf16 peak FLOPs; run 50 steps and read the manifest's "
-                     "tokens/s before a long run)")
+        lines.append("    (H200: the throughput model of docs/plan.md, or a measured run of the same configuration; * scaled "
+                     "from it by bf16 peak FLOPs, unmeasured; run 50 steps and read the manifest's tokens/s before a "
+                     "long run)")
     for w in plan["warnings"]:
         lines.append(f"  warning: {w}")
     return "\n".join(lines)
