@@ -566,11 +566,11 @@ def load_tables() -> dict[str, Any]:
 
 def card_budget_gib(cfg: DictConfig, card_gib: float) -> float:
     """What `make train` lets itself use on a card (reprotune.speed.memory_budget): hardware.memory_budget_gib,
-    or auto: 20 GiB for QLoRA (its default fits a 24 GB card), else the card."""
+    or auto: speed.QLORA_BUDGET_GIB (22 GiB of card, ~20 GiB allocated) for QLoRA, else the card."""
     wanted = cfg.hardware.get("memory_budget_gib", "auto")
     if not _auto(wanted):
         return min(card_gib, float(wanted))
-    return min(card_gib, 20.0) if quantization(cfg) else card_gib
+    return min(card_gib, speed.QLORA_BUDGET_GIB) if quantization(cfg) else card_gib
 
 
 def decide_checkpointing(cfg: DictConfig, free_bytes: float) -> bool:
