@@ -208,50 +208,20 @@ def print_table(table: Path = TABLE) -> None:
           f" ({len(rows) - len(tps)} marked outlier)")
 
 
-def fit_throughput(rows: list[dict[str, Any]], dense_flops: float) -> dict[str, float]:
-    """Least squares on relative error: the per-pass constants that make (GEMM + overhead) time per token match
-    the measured runs. Each row: gemm/t + sum_k const_k * n_k / (1000 * tokens * t) = 1."""
-    import numpy as np
-
-    from reprotune import plan
-
-    keys = sorted({k for r in rows for k, n in plan.overhead_terms(r["work"]).items() if n})
-    a, b = [], []
-    for r in rows:
-        w, t = r["work"], 1 / r["measured_tokens_per_second"]
-        terms = plan.overhead_terms(w)
-        a.append([terms.get(k, 0.0) / 1e3 / w.step.counted / t for k in keys])
-        b.append(1 - w.flops * w.step.computed / dense_flops / w.step.counted / t)
-    solution, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
-    return {k: round(float(v), 3) for k, v in zip(keys, solution, strict=True)}
-
-
-def with_constants(throughput: dict[str, Any], constants: dict[str, float]) -> dict[str, Any]:
-    out = json.loads(json.dumps(throughput))
-    for key, value in constants.items():
-        node = out["model"]
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return out
-
-
 def print_fit(table: Path = TABLE) -> None:
     """The fitted constants (paste into conf/plan/throughput.yaml) and each row's error, in-sample and with the
     row held out of the fit (where the rest still determine every constant it uses)."""
     from reprotune import plan
 
     throughput = plan.load_table("throughput.yaml")
-    dense = float(throughput["model"]["dense_bf16_flops"])
     rows = [r for r in plan.calibration_errors(json.loads(table.read_text()))
             if r["measured_tokens_per_second"]]
-    used = [r for r in rows if not r["tokens_per_second_outlier"] and not r["left_out_of_fit"]]
-    constants = fit_throughput(used, dense)
+    used = plan.throughput_fit_rows(rows)
+    constants = plan.fit_throughput(used)
     print("fitted (conf/plan/throughput.yaml, model:):")
     for key, value in constants.items():
         print(f"  {key}: {value}")
-    fitted = with_constants(throughput, constants)
+    fitted = plan.with_constants(throughput, constants)
     for r in rows:
         cfg_tp = {"throughput": fitted}
         w = r["work"]
@@ -262,7 +232,7 @@ def print_fit(table: Path = TABLE) -> None:
         held = ""
         if needed <= {k for o in rest for k, n in plan.overhead_terms(o["work"]).items() if n} and len(rest) > len(
                 needed):
-            t_out = plan.model_seconds_per_token(w, with_constants(throughput, fit_throughput(rest, dense)))
+            t_out = plan.model_seconds_per_token(w, plan.with_constants(throughput, plan.fit_throughput(rest)))
             held = f", held out {1 / (t_out['gemm'] + t_out['overhead']) / r['measured_tokens_per_second'] - 1:+.1%}"
         mark = " (not fitted)" if r not in used else ""
         print(f"  {r['name']:36s} predicted {pred:8,.0f} measured {r['measured_tokens_per_second']:8,} "

@@ -57,10 +57,15 @@ def test_memory_model_is_no_worse_than_committed() -> None:
     assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
 
 
-def test_committed_throughputs_are_predicted_within_20_percent() -> None:
+@pytest.fixture(scope="module")
+def calibration_rows() -> list[dict]:
+    return plan.calibration_errors(plan.load_calibration())
+
+
+def test_committed_throughputs_are_predicted_within_20_percent(calibration_rows: list[dict]) -> None:
     """Every committed H200 tokens/s, predicted by the throughput model alone (never the row's own measurement),
     within +-20%; rows marked tokens_per_second_outlier (with a reason) are reported, not checked."""
-    rows = [r for r in plan.calibration_errors(plan.load_calibration()) if r["measured_tokens_per_second"]]
+    rows = [r for r in calibration_rows if r["measured_tokens_per_second"]]
     assert len(rows) >= 10
     outliers = [r for r in rows if r["tokens_per_second_outlier"]]
     assert len(outliers) <= 1 and all(len(r["tokens_per_second_outlier"]) > 20 for r in outliers)
@@ -78,6 +83,15 @@ def test_throughput_model_is_no_worse_than_committed() -> None:
     now = [abs(r["tokens_per_second_error"]) for r in plan.calibration_errors(entries)]
     assert max(now) <= max(committed) + 0.002, (max(now), max(committed))
     assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
+
+
+def test_throughput_constants_are_the_fit_of_the_committed_runs(calibration_rows: list[dict]) -> None:
+    """conf/plan/throughput.yaml's constants are what bench/plan_calibrate.py --fit gets from the committed runs
+    (a new measurement folded into the table without refitting fails here), and all are positive costs."""
+    tp = plan.load_table("throughput.yaml")
+    fitted = plan.fit_throughput(plan.throughput_fit_rows(calibration_rows))
+    assert len(fitted) == 5 and all(v > 0 for v in fitted.values()), fitted
+    assert plan.with_constants(tp, fitted) == tp, fitted
 
 
 def _qlora_8b(ckpt: bool, every: int = 1, rows: int = 4) -> tuple[plan.Shape, plan.Settings]:
@@ -117,6 +131,13 @@ def test_a_measured_run_of_exactly_this_configuration_wins(tmp_path: Path) -> No
     assert plan.measured_run(str(cfg.model.name), replace(s, batch_size=2), data) is None
     assert plan.measured_run("llama32_1b_random", s, data) is None
     assert plan.measured_run(str(cfg.model.name), s, replace(data, mean_tokens=900)) is None
+    # end to end: make plan on data of that mean length shows the measurement on the H200, the model elsewhere
+    prepared = write_prepared(tmp_path / "data" / "prepared", [655] * 200, max_length=1100, model="qwen3_8b_random")
+    out = plan.make_plan(compose([*entry["overrides"], f"paths.root={tmp_path}"]))
+    rows = {r["gpu"]: r for r in out["time_and_cost"]}
+    assert rows["H200"]["tokens_per_second"] == 12169, rows["H200"]
+    assert rows["H200"]["throughput_source"] == "measured: 8b-lora-packed-nockpt (conf/plan/calibration.json)"
+    assert "unmeasured" in rows["H100"]["throughput_source"] and out["data"]["source"] == str(prepared)
 
 
 # ------------------------------------------------------------------------------------------- model arithmetic

@@ -14,6 +14,7 @@ conf/plan/calibration.json by tests/test_plan.py; docs/plan.md explains it).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -454,7 +455,7 @@ def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]
         return float(node)
 
     overhead_ms = sum(n * const(key) for key, n in overhead_terms(w).items() if n)
-    return {"gemm": w.flops * w.step.computed / m["dense_bf16_flops"] / w.step.counted,
+    return {"gemm": w.flops * w.step.computed / speed.H200_BF16_FLOPS / w.step.counted,
             "overhead": overhead_ms / 1e3 / w.step.counted}
 
 
@@ -691,6 +692,40 @@ def measured_run(model_name: str, s: Settings, data: DataShape | None) -> dict[s
                 and not e.get("tokens_per_second_outlier")):
             return e
     return None
+
+
+def fit_throughput(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The overhead constants of conf/plan/throughput.yaml that best match measured runs (calibration_errors
+    rows): least squares on relative error, each row  gemm/t + sum_k const_k * n_k / (1000 * tokens * t) = 1."""
+    import numpy as np  # only here: make plan itself never fits
+
+    keys = sorted({k for r in rows for k, n in overhead_terms(r["work"]).items() if n})
+    a, b = [], []
+    for r in rows:
+        w, t = r["work"], 1 / r["measured_tokens_per_second"]
+        terms = overhead_terms(w)
+        a.append([terms.get(k, 0.0) / 1e3 / w.step.counted / t for k in keys])
+        b.append(1 - w.flops * w.step.computed / speed.H200_BF16_FLOPS / w.step.counted / t)
+    solution, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+    return {k: round(float(v), 3) for k, v in zip(keys, solution, strict=True)}
+
+
+def throughput_fit_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calibration rows the constants are fitted to: measured tokens/s, not marked outlier or left out."""
+    return [r for r in rows if r["measured_tokens_per_second"] and not r["tokens_per_second_outlier"]
+            and not r["left_out_of_fit"]]
+
+
+def with_constants(throughput: dict[str, Any], constants: dict[str, float]) -> dict[str, Any]:
+    """A copy of the throughput table with fitted constants ("fast.layer_pass_ms": 3.4, ...) put in."""
+    out = copy.deepcopy(throughput)
+    for key, value in constants.items():
+        node = out["model"]
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
