@@ -280,6 +280,9 @@ def test_preflight_fits_in_speeds_order(tmp_path: Path) -> None:
     default, mem = plan.fit_to_budget(cfg, shape, data, speed.QLORA_BUDGET_GIB * GIB, consts)
     assert (default.checkpointing, default.ckpt_every, default.batch_size) == (True, 4, 4)
     assert mem["checkpointed_layers"] == 9 and mem["peak_gib"] < 20
+    headline = plan.make_plan(cfg)  # make plan shows the setting the preflight picks, and its peak
+    assert (headline["settings"]["checkpointing"], headline["settings"]["ckpt_every"]) == (True, 4)
+    assert headline["memory"]["peak_gib"] == mem["peak_gib"] and "every 4 layers" in plan.format_plan(headline)
     every_layer, _ = plan.fit_to_budget(cfg, shape, data, 9 * GIB, consts)
     assert (every_layer.checkpointing, every_layer.ckpt_every, every_layer.batch_size) == (True, 1, 4)
     tight, _ = plan.fit_to_budget(cfg, shape, data, 6.5 * GIB, consts)

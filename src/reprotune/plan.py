@@ -364,10 +364,14 @@ def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_
     return None
 
 
+def checkpointing_words(checkpointing: bool, every: int) -> str:
+    return "off" if not checkpointing else ("on" if every == 1 else f"every {every} layers")
+
+
 def describe(s: Settings) -> str:
     tokens = f"{s.batch_size}x{s.max_length} packed" if s.packing else f"bs {s.batch_size}"
-    ckpt = "off" if not s.checkpointing else ("on" if s.ckpt_every == 1 else f"every {s.ckpt_every} layers")
-    return f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {ckpt}, {tokens}, grad-accum {s.grad_accum}"
+    return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}, "
+            f"{tokens}, grad-accum {s.grad_accum}")
 
 
 def overrides_for(s: Settings, base: Settings) -> list[str]:
@@ -594,16 +598,15 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
     data = load_data_shape(cfg)
     card = free_bytes / GIB if free_bytes is not None else tables["throughput"]["gpus"]["H200"]["memory_gib"]
     budget = card_budget_gib(cfg, card) * GIB
-    ckpt = decide_checkpointing(cfg, budget)
-    s = settings_from_cfg(cfg, checkpointing=ckpt)
+    base = settings_from_cfg(cfg)
+    s, mem = fit_to_budget(cfg, shape, data, budget, consts)  # the setting make train's preflight would pick
     p = count_params(shape, list(s.targets), s.r, s.dora)
-    mem = memory(shape, p, s, data, consts)
-    mem_other = memory(shape, p, replace(s, checkpointing=not ckpt), data, consts)
+    mem_other = memory(shape, p, replace(s, checkpointing=not s.checkpointing), data, consts)
     fit = {}
     for size, gpu in tables["throughput"]["cards"].items():
-        found = fitting_setting(shape, s, data, card_budget_gib(cfg, tables["throughput"]["gpus"][gpu]["memory_gib"]),
-                                consts)
-        fit[f"{size} GB"] = ({"gpu": gpu, "setting": describe(found[0]), "overrides": overrides_for(found[0], s),
+        found = fitting_setting(shape, base, data,
+                                card_budget_gib(cfg, tables["throughput"]["gpus"][gpu]["memory_gib"]), consts)
+        fit[f"{size} GB"] = ({"gpu": gpu, "setting": describe(found[0]), "overrides": overrides_for(found[0], base),
                               "peak_gib": found[1]["peak_gib"], "card_gib": found[1]["card_gib"]}
                              if found else {"gpu": gpu, "setting": None})
     run = steps_and_tokens(s, data, cfg)
@@ -621,7 +624,7 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
         "fit": fit,
         "data": asdict(data) if data else None,
         "run": run,
-        "time_and_cost": time_and_cost(shape, s, data, cfg, tables, consts),
+        "time_and_cost": time_and_cost(shape, base, data, cfg, tables, consts),
         "prices_as_of": tables["prices"]["as_of"],
         "prices_verified": tables["prices"].get("verified", False),
         "warnings": warnings_for(cfg, s, data, run),
@@ -736,7 +739,7 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"  parameters {m['parameters'] / 1e9:.3f} B, trainable (LoRA r{s['r']}) {m['trainable_parameters'] / 1e6:.2f} M; "
              f"frozen weights bf16 {m['frozen_weight_bytes']['bf16'] * gib:.2f} GiB, "
              f"NF4+double quant {m['frozen_weight_bytes']['nf4_double_quant'] * gib:.2f} GiB",
-             f"  settings: {s['method']}, checkpointing {'on' if s['checkpointing'] else 'off'} "
+             f"  settings: {s['method']}, checkpointing {checkpointing_words(s['checkpointing'], s['ckpt_every'])} "
              f"(hardware.gradient_checkpointing={s['gradient_checkpointing_setting']}, budget {s['budget_gib']} GiB), "
              f"{'packed ' if s['packing'] else ''}micro-batch {mem['tokens_per_micro_batch']} tokens "
              f"(bs {s['batch_size']}, max_length {s['max_length']})",
