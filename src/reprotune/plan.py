@@ -336,6 +336,27 @@ def needed_bytes(mem: dict[str, Any], consts: dict[str, Any]) -> float:
 PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing and all layers
 
 
+# More tokens per micro-step amortise its fixed per-layer costs (kernel launches, PEFT's Python, NF4 dequantisation:
+# throughput.yaml's layer_pass_ms), so the preflight may trade gradient accumulation for rows. Up to the largest
+# packed micro-step measured on the H200 (16 rows of 1,100 tokens: 8B QLoRA, checkpointing every layer).
+MAX_MICRO_STEP_TOKENS = 17_600
+
+
+def rebatched(s: Settings) -> list[Settings]:
+    """The same global batch (rows x accumulation) in fewer, larger packed micro-steps; largest first."""
+    if not s.packing:
+        return []
+    total = s.batch_size * s.grad_accum
+    return [replace(s, batch_size=r, grad_accum=total // r) for r in range(total, s.batch_size, -1)
+            if total % r == 0 and r * s.max_length <= MAX_MICRO_STEP_TOKENS]
+
+
+def checkpointing_options(s: Settings) -> list[Settings]:
+    """No checkpointing, every n-th layer, every layer: fastest to smallest at these rows."""
+    return ([replace(s, checkpointing=False)] + [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
+            + [replace(s, checkpointing=True, ckpt_every=1)])
+
+
 def candidate_settings(s: Settings) -> list[Settings]:
     """From fastest to smallest: no checkpointing, every n-th layer checkpointed, every layer, smaller
     micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
@@ -354,13 +375,32 @@ def candidate_settings(s: Settings) -> list[Settings]:
     return ladder
 
 
+def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None, capacity_bytes: float,
+                    consts: dict[str, Any], throughput: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
+    """Of the candidates whose card need fits, the one the throughput model predicts fastest (the earlier one on
+    a tie); None when none fits."""
+    best = None
+    for cand in cands:
+        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
+        if needed_bytes(mem, consts) > capacity_bytes:
+            continue
+        tps = 1 / sum(model_seconds_per_token(step_work(shape, cand, data), throughput).values())
+        if best is None or tps > best[0]:
+            best = (tps, cand, mem)
+    return (best[1], best[2]) if best else None
+
+
 def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
                     consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
-    for cand in candidate_settings(s):
-        p = count_params(shape, list(cand.targets), cand.r, cand.dora)
-        mem = memory(shape, p, cand, data, consts)
-        if needed_bytes(mem, consts) <= capacity_gib * GIB:
-            return cand, mem
+    """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
+    candidate_settings' ladder), else of the ladder's QLoRA fallback."""
+    throughput = load_table("throughput.yaml")
+    own = [c for c in candidate_settings(s) if c.load_in_4bit == s.load_in_4bit]
+    for cands in ([o for r in rebatched(s) for o in checkpointing_options(r)] + own,
+                  [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
+        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput)
+        if found:
+            return found
     return None
 
 
@@ -440,16 +480,20 @@ def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
 
 
 def overhead_terms(w: StepWork) -> dict[str, float]:
-    """The per-micro-step counts (milliseconds per unit in throughput.yaml) the overhead constants multiply."""
-    return {f"{w.path}.layer_pass_ms": w.layer_passes,
+    """What each constant of throughput.yaml multiplies per micro-step (milliseconds per unit): the GEMM time at
+    the measured dense bf16 rate (gemm_time_factor: how much slower the real mix of products runs), and the
+    decoder-layer passes, QLoRA's passes and its recomputed layers."""
+    return {f"{w.path}.gemm_time_factor": 1e3 * w.flops * w.step.computed / speed.H200_BF16_FLOPS,
+            f"{w.path}.layer_pass_ms": w.layer_passes,
             f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
             "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0}
 
 
 def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]:
-    """Seconds per counted token on the H200, by term: the GEMMs at the measured dense bf16 rate, and a cost per
-    decoder-layer pass and micro-step (kernel launches, unfused element-wise work, LoRA's rank-16 products,
-    attention; for QLoRA the NF4 dequantisation of each pass, and an extra cost per recomputed layer)."""
+    """Seconds per counted token on the H200, by term: the GEMMs (their FLOPs at the measured dense bf16 rate,
+    times a fitted factor), and a cost per decoder-layer pass and micro-step (kernel launches and Python, unfused
+    element-wise work, LoRA's rank-16 products; for QLoRA the NF4 dequantisation of each pass, and an extra cost
+    per recomputed layer)."""
     m = tp["model"]
 
     def const(key: str) -> float:
@@ -458,9 +502,10 @@ def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]
             node = node[part]
         return float(node)
 
-    overhead_ms = sum(n * const(key) for key, n in overhead_terms(w).items() if n)
-    return {"gemm": w.flops * w.step.computed / speed.H200_BF16_FLOPS / w.step.counted,
-            "overhead": overhead_ms / 1e3 / w.step.counted}
+    ms = {key: n * const(key) for key, n in overhead_terms(w).items() if n}
+    gemm_ms = sum(v for k, v in ms.items() if k.endswith("gemm_time_factor"))
+    return {"gemm": gemm_ms / 1e3 / w.step.counted,
+            "overhead": (sum(ms.values()) - gemm_ms) / 1e3 / w.step.counted}
 
 
 def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: str,
@@ -497,8 +542,13 @@ def time_and_cost(shape: Shape, s: Settings, data: DataShape | None, cfg: DictCo
     prices, tp = tables["prices"], tables["throughput"]
     run = steps_and_tokens(s, data, cfg)
     rows = []
+    forced = not _auto(cfg.hardware.gradient_checkpointing)
     for gpu in prices["gpus"]:
-        fit = fitting_setting(shape, s, data, card_budget_gib(cfg, tp["gpus"][gpu]["memory_gib"]), consts)
+        capacity = card_budget_gib(cfg, tp["gpus"][gpu]["memory_gib"])
+        fit = fitting_setting(shape, s, data, capacity, consts)
+        if forced:  # the configured setting where it fits (make train does not change it)
+            mem = memory(shape, count_params(shape, list(s.targets), s.r, s.dora), s, data, consts)
+            fit = (s, mem) if needed_bytes(mem, consts) <= capacity * GIB else fit
         row: dict[str, Any] = {"gpu": gpu, "fits": fit is not None}
         if fit and run:
             cand = fit[0]
@@ -708,8 +758,16 @@ def fit_throughput(rows: list[dict[str, Any]]) -> dict[str, float]:
         w, t = r["work"], 1 / r["measured_tokens_per_second"]
         terms = overhead_terms(w)
         a.append([terms.get(k, 0.0) / 1e3 / w.step.counted / t for k in keys])
-        b.append(1 - w.flops * w.step.computed / speed.H200_BF16_FLOPS / w.step.counted / t)
-    solution, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+        b.append(1.0)
+    a_, b_ = np.array(a), np.array(b)
+    free = list(range(len(keys)))
+    solution = np.zeros(len(keys))
+    while free:  # a cost cannot be negative: drop a negative constant (it stays 0) and refit the rest
+        fitted, *_ = np.linalg.lstsq(a_[:, free], b_, rcond=None)
+        if (fitted >= 0).all():
+            solution[free] = fitted
+            break
+        free.pop(int(np.argmin(fitted)))
     return {k: round(float(v), 3) for k, v in zip(keys, solution, strict=True)}
 
 
@@ -813,16 +871,19 @@ def preflight(cfg: DictConfig, device: str,
 
 def fit_to_budget(cfg: DictConfig, shape: Shape, data: DataShape | None, budget_bytes: float,
                   consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
-    """The first setting in candidate_settings' order (the method is never changed) whose card need fits the
-    budget, else the smallest; as configured when checkpointing is forced."""
+    """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
+    global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
+    else the ladder's smallest; as configured when checkpointing is forced."""
     s = settings_from_cfg(cfg)
     forced = not _auto(cfg.hardware.gradient_checkpointing)
     ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
-    for cand in ladder:
-        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
-        if needed_bytes(mem, consts) <= budget_bytes:
-            return cand, mem
-    return ladder[-1], mem
+    if not forced:
+        found = fastest_fitting(shape, [o for r in rebatched(s) for o in checkpointing_options(r)] + ladder, data,
+                                budget_bytes, consts, load_table("throughput.yaml"))
+        if found:
+            return found
+    last = ladder[-1]
+    return last, memory(shape, count_params(shape, list(last.targets), last.r, last.dora), last, data, consts)
 
 
 def check_fits(cfg: DictConfig, plan: dict[str, Any], free_bytes: float, gpu_name: str) -> None:
