@@ -620,12 +620,9 @@ def load_tables() -> dict[str, Any]:
 
 
 def card_budget_gib(cfg: DictConfig, card_gib: float) -> float:
-    """What `make train` lets itself use on a card (reprotune.speed.memory_budget): hardware.memory_budget_gib,
-    or auto: speed.QLORA_BUDGET_GIB (22 GiB of card, ~20 GiB allocated) for QLoRA, else the card."""
-    wanted = cfg.hardware.get("memory_budget_gib", "auto")
-    if not _auto(wanted):
-        return min(card_gib, float(wanted))
-    return min(card_gib, speed.QLORA_BUDGET_GIB) if quantization(cfg) else card_gib
+    """What `make train` lets itself use on a card: reprotune.speed.memory_budget with the card's memory free
+    (hardware.memory_budget_gib, or auto: 22 GiB of card for QLoRA, else 90% of the card)."""
+    return min(card_gib, speed.memory_budget(cfg, int(card_gib * GIB)) / GIB)
 
 
 def decide_checkpointing(cfg: DictConfig, free_bytes: float) -> bool:
@@ -845,7 +842,7 @@ def preflight(cfg: DictConfig, device: str,
               budget_bytes: float | None = None) -> tuple[int, int, bool, int, str] | None:
     """Before `make train` loads the model, on a GPU: plan, write outputs/plan.json, and return (rows per
     micro-batch, gradient accumulation, checkpointing, every_n_layers, why) fitted to budget_bytes
-    (reprotune.speed's memory budget; the GPU's free memory when None) in the order of candidate_settings.
+    (reprotune.speed's memory budget; the GPU's free memory when None): the fastest fitting setting (fit_to_budget).
     Stops with one line (exit 2) when even that cannot fit the free memory. None on a CPU."""
     if device != "cuda":
         return None
