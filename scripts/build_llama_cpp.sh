@@ -4,7 +4,8 @@
 # llama.cpp comes from the llama-cpp-python sdist on PyPI, checked against the sha256 in
 # lockfiles/llama-cpp.txt. From that one source tree we use:
 #   - the llama-cpp-python wheel (libllama + Python bindings, also llama_model_quantize and the server),
-#     built portable (-DGGML_NATIVE=OFF) with the hash-locked tools of lockfiles/llama-cpp-build.txt;
+#     built without -march=native (-DGGML_NATIVE=OFF), CPU kernels for x86-64-v3 where the CPU has it (below),
+#     with the hash-locked tools of lockfiles/llama-cpp-build.txt;
 #   - vendor/llama.cpp/convert_hf_to_gguf.py with its own vendored gguf-py.
 # Results are cached under $LLAMA_CPP_CACHE/<version>-<key>, key = sdist sha256 + build flags + Python minor
 # version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
