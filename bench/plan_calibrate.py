@@ -5,6 +5,7 @@
     python bench/plan_calibrate.py --only 8b-lora-ckpt-long 1b-qlora-nockpt-short -- train.max_steps=8
     python bench/plan_calibrate.py --fold /work/notes/gpu/calibration.json   # add measurements to the table
     python bench/plan_calibrate.py --table [--write]   # predicted vs measured for conf/plan/calibration.json
+    python bench/plan_calibrate.py --fit               # refit the throughput constants (conf/plan/throughput.yaml)
 
 Each configuration is `{"name": ..., "data": "short" | "long" | <a .jsonl of chats>, "overrides": [...]}`.
 For each one the script prepares its data once (data.scrub=false: the calibration data is synthetic), then runs
@@ -167,15 +168,18 @@ def fold(new: Path, table: Path = TABLE) -> None:
 
 
 def write_table(entries: list[dict[str, Any]], table: Path = TABLE) -> None:
-    """Record each entry's current prediction and error (tests/test_plan.py fails if a change makes them worse)."""
+    """Record each entry's current predictions and errors (tests/test_plan.py fails if a change makes them worse)
+    and the plan's settings for it (what make plan matches a measured run by)."""
     from reprotune import plan
 
     errors = {r["name"]: r for r in plan.calibration_errors(entries)}
     for e in entries:
         if e["name"] in errors:
-            e["predicted"] = {"peak_gib": errors[e["name"]]["predicted_gib"],
-                              "tokens_per_second": errors[e["name"]]["predicted_tokens_per_second"]}
-            e["error"] = errors[e["name"]]["error"]
+            r = errors[e["name"]]
+            e["predicted"] = {"peak_gib": r["predicted_gib"], "tokens_per_second": r["predicted_tokens_per_second"]}
+            e["error"] = r["error"]
+            e["tokens_per_second_error"] = r["tokens_per_second_error"]
+            e["plan_model"], e["plan_settings"] = r["model"], r["settings"]
     tmp = table.with_name(table.name + ".tmp")
     tmp.write_text(json.dumps(entries, indent=1) + "\n")
     os.replace(tmp, table)
@@ -185,15 +189,55 @@ def print_table(table: Path = TABLE) -> None:
     from reprotune import plan
 
     rows = plan.calibration_errors(json.loads(table.read_text()))
-    print("| configuration | predicted GiB | measured GiB | error | reserved GiB (pred / meas) | tok/s (pred / meas) |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | predicted GiB | measured GiB | error | reserved GiB (pred / meas) "
+          "| tok/s (pred / meas) | tok/s error |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        outlier = " (outlier)" if r["tokens_per_second_outlier"] else ""
         print(f"| {r['name']} | {r['predicted_gib']:.2f} | {r['measured_gib']:.2f} | {r['error']:+.1%} | "
               f"{r['predicted_reserved_gib']:.2f} / {r['measured_reserved_gib'] or '-'} | "
-              f"{r['predicted_tokens_per_second']:,} / {r['measured_tokens_per_second'] or '-'} |")
+              f"{r['predicted_tokens_per_second']:,} / {r['measured_tokens_per_second'] or 0:,} | "
+              f"{r['tokens_per_second_error']:+.1%}{outlier} |")
     worst = max(rows, key=lambda r: abs(r["error"]))
-    print(f"\nworst: {worst['name']} {worst['error']:+.1%}; mean |error| "
+    print(f"\nmemory: worst {worst['name']} {worst['error']:+.1%}; mean |error| "
           f"{sum(abs(r['error']) for r in rows) / len(rows):.1%} over {len(rows)} runs")
+    tps = [r for r in rows if r["tokens_per_second_error"] is not None and not r["tokens_per_second_outlier"]]
+    worst = max(tps, key=lambda r: abs(r["tokens_per_second_error"]))
+    print(f"tokens/s: worst {worst['name']} {worst['tokens_per_second_error']:+.1%}; mean |error| "
+          f"{sum(abs(r['tokens_per_second_error']) for r in tps) / len(tps):.1%} over {len(tps)} runs"
+          f" ({len(rows) - len(tps)} marked outlier)")
+
+
+def print_fit(table: Path = TABLE) -> None:
+    """The fitted constants (paste into conf/plan/throughput.yaml) and each row's error, in-sample and with the
+    row held out of the fit (where the rest still determine every constant it uses)."""
+    from reprotune import plan
+
+    throughput = plan.load_table("throughput.yaml")
+    rows = [r for r in plan.calibration_errors(json.loads(table.read_text()))
+            if r["measured_tokens_per_second"]]
+    used = plan.throughput_fit_rows(rows)
+    constants = plan.fit_throughput(used)
+    print("fitted (conf/plan/throughput.yaml, model:):")
+    for key, value in constants.items():
+        print(f"  {key}: {value}")
+    fitted = plan.with_constants(throughput, constants)
+    for r in rows:
+        cfg_tp = {"throughput": fitted}
+        w = r["work"]
+        t = plan.model_seconds_per_token(w, cfg_tp["throughput"])
+        pred = 1 / (t["gemm"] + t["overhead"])
+        rest = [o for o in used if o["name"] != r["name"]]
+        needed = {k for k, n in plan.overhead_terms(w).items() if n}
+        held = ""
+        if needed <= {k for o in rest for k, n in plan.overhead_terms(o["work"]).items() if n} and len(rest) > len(
+                needed):
+            t_out = plan.model_seconds_per_token(w, plan.with_constants(throughput, plan.fit_throughput(rest)))
+            held = f", held out {1 / (t_out['gemm'] + t_out['overhead']) / r['measured_tokens_per_second'] - 1:+.1%}"
+        mark = " (not fitted)" if r not in used else ""
+        print(f"  {r['name']:36s} predicted {pred:8,.0f} measured {r['measured_tokens_per_second']:8,} "
+              f"error {pred / r['measured_tokens_per_second'] - 1:+.1%}{held}; GEMMs "
+              f"{t['gemm'] / (t['gemm'] + t['overhead']):.0%} of the time{mark}")
 
 
 def main() -> None:
@@ -206,7 +250,11 @@ def main() -> None:
     parser.add_argument("--fold", type=Path, help="add the measurements of this JSON to conf/plan/calibration.json")
     parser.add_argument("--table", action="store_true", help="print predicted vs measured for the committed table")
     parser.add_argument("--write", action="store_true", help="with --table: record the current predictions")
+    parser.add_argument("--fit", action="store_true", help="fit the throughput constants to the committed table")
     args = parser.parse_args()
+    if args.fit:
+        print_fit()
+        return
     if args.fold or args.table:
         if args.fold:
             fold(args.fold)

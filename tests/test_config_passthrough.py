@@ -116,3 +116,23 @@ def test_every_key_the_code_reads_is_declared_in_conf() -> None:
 
 def test_the_reader_would_catch_an_undeclared_key() -> None:
     assert not declared([compose([])], ("train", "keep_checkpoints"))  # read but declared nowhere, before #16
+
+
+def test_flex_attention_compiles_with_dynamic_shapes_from_the_first_call() -> None:
+    """On a GPU the fast path's flex attention is compiled for symbolic lengths at once (the static compile of its
+    block mask stalled for minutes at 8,800+ tokens per micro-step on the H200); the CPU path leaves dynamo alone."""
+    import torch._dynamo
+
+    cfg = compose(["model=tiny_random", "hardware=gpu"])
+    gpu = speed.choose(cfg, "cuda", fitted=(16, 1, False, 1, "plan: test"))
+    cpu = speed.choose(compose(["model=tiny_random", "hardware=cpu"]), "cpu")
+    assert gpu.attn_implementation == "flex_attention" and gpu.dynamic_shapes and gpu.as_record()["dynamic_shapes"]
+    assert not cpu.dynamic_shapes
+    before = torch._dynamo.config.assume_static_by_default
+    try:
+        speed.apply_compile_settings(cpu)
+        assert torch._dynamo.config.assume_static_by_default is before
+        speed.apply_compile_settings(gpu)
+        assert torch._dynamo.config.assume_static_by_default is False
+    finally:
+        torch._dynamo.config.assume_static_by_default = before

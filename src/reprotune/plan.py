@@ -14,6 +14,7 @@ conf/plan/calibration.json by tests/test_plan.py; docs/plan.md explains it).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import hydra
@@ -334,6 +336,27 @@ def needed_bytes(mem: dict[str, Any], consts: dict[str, Any]) -> float:
 PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing and all layers
 
 
+# More tokens per micro-step amortise its fixed per-layer costs (kernel launches, PEFT's Python, NF4 dequantisation:
+# throughput.yaml's layer_pass_ms), so the preflight may trade gradient accumulation for rows. Up to the largest
+# packed micro-step measured on the H200 (16 rows of 1,100 tokens: 8B QLoRA, checkpointing every layer).
+MAX_MICRO_STEP_TOKENS = 17_600
+
+
+def rebatched(s: Settings) -> list[Settings]:
+    """The same global batch (rows x accumulation) in fewer, larger packed micro-steps; largest first."""
+    if not s.packing:
+        return []
+    total = s.batch_size * s.grad_accum
+    return [replace(s, batch_size=r, grad_accum=total // r) for r in range(total, s.batch_size, -1)
+            if total % r == 0 and r * s.max_length <= MAX_MICRO_STEP_TOKENS]
+
+
+def checkpointing_options(s: Settings) -> list[Settings]:
+    """No checkpointing, every n-th layer, every layer: fastest to smallest at these rows."""
+    return ([replace(s, checkpointing=False)] + [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
+            + [replace(s, checkpointing=True, ckpt_every=1)])
+
+
 def candidate_settings(s: Settings) -> list[Settings]:
     """From fastest to smallest: no checkpointing, every n-th layer checkpointed, every layer, smaller
     micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
@@ -352,20 +375,43 @@ def candidate_settings(s: Settings) -> list[Settings]:
     return ladder
 
 
+def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None, capacity_bytes: float,
+                    consts: dict[str, Any], throughput: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
+    """Of the candidates whose card need fits, the one the throughput model predicts fastest (the earlier one on
+    a tie); None when none fits."""
+    best = None
+    for cand in cands:
+        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
+        if needed_bytes(mem, consts) > capacity_bytes:
+            continue
+        tps = 1 / sum(model_seconds_per_token(step_work(shape, cand, data), throughput).values())
+        if best is None or tps > best[0]:
+            best = (tps, cand, mem)
+    return (best[1], best[2]) if best else None
+
+
 def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
                     consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
-    for cand in candidate_settings(s):
-        p = count_params(shape, list(cand.targets), cand.r, cand.dora)
-        mem = memory(shape, p, cand, data, consts)
-        if needed_bytes(mem, consts) <= capacity_gib * GIB:
-            return cand, mem
+    """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
+    candidate_settings' ladder), else of the ladder's QLoRA fallback."""
+    throughput = load_table("throughput.yaml")
+    own = [c for c in candidate_settings(s) if c.load_in_4bit == s.load_in_4bit]
+    for cands in ([o for r in rebatched(s) for o in checkpointing_options(r)] + own,
+                  [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
+        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput)
+        if found:
+            return found
     return None
+
+
+def checkpointing_words(checkpointing: bool, every: int) -> str:
+    return "off" if not checkpointing else ("on" if every == 1 else f"every {every} layers")
 
 
 def describe(s: Settings) -> str:
     tokens = f"{s.batch_size}x{s.max_length} packed" if s.packing else f"bs {s.batch_size}"
-    ckpt = "off" if not s.checkpointing else ("on" if s.ckpt_every == 1 else f"every {s.ckpt_every} layers")
-    return f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {ckpt}, {tokens}, grad-accum {s.grad_accum}"
+    return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}, "
+            f"{tokens}, grad-accum {s.grad_accum}")
 
 
 def overrides_for(s: Settings, base: Settings) -> list[str]:
@@ -381,29 +427,98 @@ def overrides_for(s: Settings, base: Settings) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- time/cost
-def flops_per_token(p: Params, checkpointing: bool) -> float:
-    """Hardware FLOPs per trained token: forward 2N + input gradients 2N (the base is frozen), + 2N recompute."""
-    return (4 + (2 if checkpointing else 0)) * p.total
+def as_model_config(shape: Shape) -> SimpleNamespace:
+    """The config.json attributes reprotune.speed's FLOP counts read (the same counts as the manifest's MFU)."""
+    return SimpleNamespace(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                           num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                           num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab)
 
 
-def tokens_per_second(p: Params, s: Settings, gpu: str, tables: dict[str, Any]) -> tuple[float, str]:
+@dataclass(frozen=True)
+class MicroStep:
+    counted: float    # tokens per micro-step that tokens/s counts (packed: all; unpacked: non-padding)
+    computed: float   # tokens the GPU computes (unpacked: padded to the longest example of the micro-batch)
+    context: float    # mean attention context per token (block-diagonal when packed)
+
+
+def micro_step(s: Settings, data: DataShape | None) -> MicroStep:
+    """Tokens of a typical micro-step. Unpacked rows are padded to the micro-batch's longest example: its
+    expected length assumes lengths spread evenly between (2 mean - max) and max (only mean and max are known)."""
+    if data is None:
+        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, s.max_length / 2)
+    mean, longest = min(data.mean_tokens, s.max_length), min(data.max_tokens, s.max_length)
+    if s.packing:
+        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, mean)
+    shortest = max(1.0, 2 * mean - longest)
+    padded = shortest + (longest - shortest) * s.batch_size / (s.batch_size + 1)
+    return MicroStep(s.batch_size * mean, s.batch_size * padded, padded)
+
+
+def code_path(s: Settings) -> str:
+    """The throughput classes of conf/plan/throughput.yaml: the fast path (Liger's fused kernels, no PEFT input
+    casts) and the unfused SDPA path it replaced."""
+    return "fast" if s.liger else "unfused"
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one micro-step does, for the throughput model (docs/plan.md)."""
+    path: str            # "fast" or "unfused" (code_path)
+    qlora: bool
+    flops: float         # FLOPs per computed token (reprotune.speed's count, recompute included)
+    step: MicroStep
+    layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
+    recomputed: int      # checkpointed (recomputed) layers
+
+
+def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
+    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
+    step = micro_step(s, data)
+    flops = speed.lora_step_flops_per_token(as_model_config(shape), step.context, k / shape.layers)
+    return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, step=step,
+                    layer_passes=2 * shape.layers + k, recomputed=k)
+
+
+def overhead_terms(w: StepWork) -> dict[str, float]:
+    """What each constant of throughput.yaml multiplies per micro-step (milliseconds per unit): the GEMM time at
+    the measured dense bf16 rate (gemm_time_factor: how much slower the real mix of products runs), and the
+    decoder-layer passes, QLoRA's passes and its recomputed layers."""
+    return {f"{w.path}.gemm_time_factor": 1e3 * w.flops * w.step.computed / speed.H200_BF16_FLOPS,
+            f"{w.path}.layer_pass_ms": w.layer_passes,
+            f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
+            "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0}
+
+
+def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]:
+    """Seconds per counted token on the H200, by term: the GEMMs (their FLOPs at the measured dense bf16 rate,
+    times a fitted factor), and a cost per decoder-layer pass and micro-step (kernel launches and Python, unfused
+    element-wise work, LoRA's rank-16 products; for QLoRA the NF4 dequantisation of each pass, and an extra cost
+    per recomputed layer)."""
+    m = tp["model"]
+
+    def const(key: str) -> float:
+        node = m
+        for part in key.split("."):
+            node = node[part]
+        return float(node)
+
+    ms = {key: n * const(key) for key, n in overhead_terms(w).items() if n}
+    gemm_ms = sum(v for k, v in ms.items() if k.endswith("gemm_time_factor"))
+    return {"gemm": gemm_ms / 1e3 / w.step.counted,
+            "overhead": (sum(ms.values()) - gemm_ms) / 1e3 / w.step.counted}
+
+
+def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: str,
+                      tables: dict[str, Any]) -> tuple[float, str]:
+    """The throughput model on the H200 (docs/plan.md); other GPUs: scaled by their bf16 peak (unmeasured)."""
     tp = tables["throughput"]
-    peak = tp["gpus"][gpu]["tflops"] * 1e12
-    method = "qlora" if s.load_in_4bit else "lora"
-    rows = [m for m in tp["measured"] if m["method"] == method and m["checkpointing"] == s.checkpointing
-            and m["packing"] == s.packing and m.get("liger", False) == s.liger]
-    if rows:
-        best = min(rows, key=lambda m: (m["gpu"] != gpu, abs(math.log(m["params_b"] * 1e9 / p.total))))
-        entry_params = best["params_b"] * 1e9
-        util = best["tokens_per_second"] * (4 + (2 if s.checkpointing else 0)) * entry_params / (
-            tp["gpus"][best["gpu"]]["tflops"] * 1e12)
-        how = (f"measured {best['tokens_per_second']:,} tok/s ({best['model']}, {best['gpu']})"
-               + ("" if best["gpu"] == gpu else f"; its utilisation {util:.1%} applied to {gpu}'s bf16 peak (unmeasured)"))
-    else:
-        util = tp["fallback_mfu"]
-        how = f"FLOPs / stated utilisation {util:.0%} (no measured row for {method}, "\
-              f"checkpointing {s.checkpointing}, packing {s.packing})"
-    return util * peak / flops_per_token(p, s.checkpointing), how
+    t = model_seconds_per_token(step_work(shape, s, data), tp)
+    tps = 1 / (t["gemm"] + t["overhead"])
+    how = f"model ({code_path(s)} path): GEMMs {t['gemm'] / (t['gemm'] + t['overhead']):.0%} of the time"
+    if gpu != "H200":
+        tps *= tp["gpus"][gpu]["tflops"] / tp["gpus"]["H200"]["tflops"]
+        how += f"; scaled from the H200 by {gpu}'s bf16 peak (unmeasured)"
+    return tps, how
 
 
 def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
@@ -427,13 +542,20 @@ def time_and_cost(shape: Shape, s: Settings, data: DataShape | None, cfg: DictCo
     prices, tp = tables["prices"], tables["throughput"]
     run = steps_and_tokens(s, data, cfg)
     rows = []
+    forced = not _auto(cfg.hardware.gradient_checkpointing)
     for gpu in prices["gpus"]:
-        fit = fitting_setting(shape, s, data, card_budget_gib(cfg, tp["gpus"][gpu]["memory_gib"]), consts)
+        capacity = card_budget_gib(cfg, tp["gpus"][gpu]["memory_gib"])
+        fit = fitting_setting(shape, s, data, capacity, consts)
+        if forced:  # the configured setting where it fits (make train does not change it)
+            mem = memory(shape, count_params(shape, list(s.targets), s.r, s.dora), s, data, consts)
+            fit = (s, mem) if needed_bytes(mem, consts) <= capacity * GIB else fit
         row: dict[str, Any] = {"gpu": gpu, "fits": fit is not None}
         if fit and run:
             cand = fit[0]
-            p = count_params(shape, list(cand.targets), cand.r, cand.dora)
-            tps, how = tokens_per_second(p, cand, gpu, tables)
+            tps, how = tokens_per_second(shape, cand, data, gpu, tables)
+            seen = measured_run(str(cfg.model.name), cand, data) if gpu == "H200" else None
+            if seen:
+                tps, how = seen["measured"]["tokens_per_second"], f"measured: {seen['name']} (conf/plan/calibration.json)"
             hours = run["tokens_trained"] / tps / 3600
             row.update({"setting": describe(cand), "tokens_per_second": round(tps), "throughput_source": how,
                         "epoch_hours": round(run["tokens_per_epoch"] / tps / 3600, 3), "run_hours": round(hours, 3),
@@ -498,12 +620,9 @@ def load_tables() -> dict[str, Any]:
 
 
 def card_budget_gib(cfg: DictConfig, card_gib: float) -> float:
-    """What `make train` lets itself use on a card (reprotune.speed.memory_budget): hardware.memory_budget_gib,
-    or auto: 20 GiB for QLoRA (its default fits a 24 GB card), else the card."""
-    wanted = cfg.hardware.get("memory_budget_gib", "auto")
-    if not _auto(wanted):
-        return min(card_gib, float(wanted))
-    return min(card_gib, 20.0) if quantization(cfg) else card_gib
+    """What `make train` lets itself use on a card: reprotune.speed.memory_budget with the card's memory free
+    (hardware.memory_budget_gib, or auto: 22 GiB of card for QLoRA, else 90% of the card)."""
+    return min(card_gib, speed.memory_budget(cfg, int(card_gib * GIB)) / GIB)
 
 
 def decide_checkpointing(cfg: DictConfig, free_bytes: float) -> bool:
@@ -526,16 +645,15 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
     data = load_data_shape(cfg)
     card = free_bytes / GIB if free_bytes is not None else tables["throughput"]["gpus"]["H200"]["memory_gib"]
     budget = card_budget_gib(cfg, card) * GIB
-    ckpt = decide_checkpointing(cfg, budget)
-    s = settings_from_cfg(cfg, checkpointing=ckpt)
+    base = settings_from_cfg(cfg)
+    s, mem = fit_to_budget(cfg, shape, data, budget, consts)  # the setting make train's preflight would pick
     p = count_params(shape, list(s.targets), s.r, s.dora)
-    mem = memory(shape, p, s, data, consts)
-    mem_other = memory(shape, p, replace(s, checkpointing=not ckpt), data, consts)
+    mem_other = memory(shape, p, replace(s, checkpointing=not s.checkpointing), data, consts)
     fit = {}
     for size, gpu in tables["throughput"]["cards"].items():
-        found = fitting_setting(shape, s, data, card_budget_gib(cfg, tables["throughput"]["gpus"][gpu]["memory_gib"]),
-                                consts)
-        fit[f"{size} GB"] = ({"gpu": gpu, "setting": describe(found[0]), "overrides": overrides_for(found[0], s),
+        found = fitting_setting(shape, base, data,
+                                card_budget_gib(cfg, tables["throughput"]["gpus"][gpu]["memory_gib"]), consts)
+        fit[f"{size} GB"] = ({"gpu": gpu, "setting": describe(found[0]), "overrides": overrides_for(found[0], base),
                               "peak_gib": found[1]["peak_gib"], "card_gib": found[1]["card_gib"]}
                              if found else {"gpu": gpu, "setting": None})
     run = steps_and_tokens(s, data, cfg)
@@ -553,7 +671,7 @@ def make_plan(cfg: DictConfig, device: str | None = None, free_bytes: float | No
         "fit": fit,
         "data": asdict(data) if data else None,
         "run": run,
-        "time_and_cost": time_and_cost(shape, s, data, cfg, tables, consts),
+        "time_and_cost": time_and_cost(shape, base, data, cfg, tables, consts),
         "prices_as_of": tables["prices"]["as_of"],
         "prices_verified": tables["prices"].get("verified", False),
         "warnings": warnings_for(cfg, s, data, run),
@@ -565,36 +683,107 @@ def load_calibration(path: Path | None = None) -> list[dict[str, Any]]:
     return json.loads((path or PLAN_DIR / "calibration.json").read_text())
 
 
-def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The plan's prediction for one measured configuration (its overrides and its recorded data shape)."""
+def entry_settings(entry: dict[str, Any]) -> tuple[DictConfig, Settings]:
+    """The composed config and the plan's settings of one measured configuration (its code_flags applied)."""
     from reprotune.config import compose
 
     cfg = compose([o for o in entry["overrides"] if not o.startswith(("paths.", "data.path="))])
-    s = replace(settings_from_cfg(cfg), **entry.get("code_flags", {}))
+    return cfg, replace(settings_from_cfg(cfg), **entry.get("code_flags", {}))
+
+
+def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None,
+                  throughput: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plan's prediction for one measured configuration (its overrides and its recorded data shape); tokens/s
+    from the throughput model alone, never from the measurement itself."""
+    cfg, s = entry_settings(entry)
     shape = model_shape(cfg.model)
     p = count_params(shape, list(s.targets), s.r, s.dora)
     data = DataShape(**entry["data_shape"])
     mem = memory(shape, p, s, data, consts or load_table("memory.yaml"))
-    tps, _ = tokens_per_second(p, s, "H200", {"throughput": load_table("throughput.yaml")})
+    tps, _ = tokens_per_second(shape, s, data, "H200", {"throughput": throughput or load_table("throughput.yaml")})
     return {"peak_gib": mem["peak_gib"], "reserved_gib": mem["reserved_gib"], "tokens_per_second": round(tps),
-            "parts_gib": mem["parts_gib"]}
+            "parts_gib": mem["parts_gib"], "model": str(cfg.model.name), "settings": asdict(s),
+            "work": step_work(shape, s, data)}
 
 
-def calibration_errors(entries: list[dict[str, Any]], consts: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """(predicted - measured) / measured for every entry with a measured peak."""
+def calibration_errors(entries: list[dict[str, Any]], consts: dict[str, Any] | None = None,
+                       throughput: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """(predicted - measured) / measured of the peak and of tokens/s, for every entry with a measured peak."""
     rows = []
     for e in entries:
         measured = (e.get("measured") or {}).get("peak_allocated_gib")
         if not measured:
             continue
-        pred = predict_entry(e, consts)
+        pred = predict_entry(e, consts, throughput)
+        tps = e["measured"].get("tokens_per_second")
         rows.append({"name": e["name"], "predicted_gib": pred["peak_gib"], "measured_gib": measured,
                      "error": round((pred["peak_gib"] - measured) / measured, 4),
                      "measured_reserved_gib": e["measured"].get("peak_reserved_gib"),
                      "predicted_reserved_gib": pred["reserved_gib"],
-                     "measured_tokens_per_second": e["measured"].get("tokens_per_second"),
-                     "predicted_tokens_per_second": pred["tokens_per_second"]})
+                     "measured_tokens_per_second": tps,
+                     "predicted_tokens_per_second": pred["tokens_per_second"],
+                     "tokens_per_second_error": round((pred["tokens_per_second"] - tps) / tps, 4) if tps else None,
+                     "tokens_per_second_outlier": e.get("tokens_per_second_outlier"),
+                     "left_out_of_fit": e.get("left_out_of_throughput_fit"),
+                     "model": pred["model"], "settings": pred["settings"], "work": pred["work"]})
     return rows
+
+
+def measured_run(model_name: str, s: Settings, data: DataShape | None) -> dict[str, Any] | None:
+    """A committed H200 measurement of exactly this configuration: the same model preset, the same settings
+    (recorded as plan_settings by bench/plan_calibrate.py --table --write) and data of the same mean length."""
+    if data is None:
+        return None
+    wanted = json.loads(json.dumps(asdict(s)))  # as stored: tuples become lists
+    for e in load_calibration():
+        mean = e.get("data_shape", {}).get("mean_tokens") or 0
+        if (e.get("plan_model") == model_name and e.get("plan_settings") == wanted
+                and abs(mean - data.mean_tokens) <= 0.02 * mean and (e.get("measured") or {}).get("tokens_per_second")
+                and not e.get("tokens_per_second_outlier")):
+            return e
+    return None
+
+
+def fit_throughput(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The overhead constants of conf/plan/throughput.yaml that best match measured runs (calibration_errors
+    rows): least squares on relative error, each row  gemm/t + sum_k const_k * n_k / (1000 * tokens * t) = 1."""
+    import numpy as np  # only here: make plan itself never fits
+
+    keys = sorted({k for r in rows for k, n in overhead_terms(r["work"]).items() if n})
+    a, b = [], []
+    for r in rows:
+        w, t = r["work"], 1 / r["measured_tokens_per_second"]
+        terms = overhead_terms(w)
+        a.append([terms.get(k, 0.0) / 1e3 / w.step.counted / t for k in keys])
+        b.append(1.0)
+    a_, b_ = np.array(a), np.array(b)
+    free = list(range(len(keys)))
+    solution = np.zeros(len(keys))
+    while free:  # a cost cannot be negative: drop a negative constant (it stays 0) and refit the rest
+        fitted, *_ = np.linalg.lstsq(a_[:, free], b_, rcond=None)
+        if (fitted >= 0).all():
+            solution[free] = fitted
+            break
+        free.pop(int(np.argmin(fitted)))
+    return {k: round(float(v), 3) for k, v in zip(keys, solution, strict=True)}
+
+
+def throughput_fit_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calibration rows the constants are fitted to: measured tokens/s, not marked outlier or left out."""
+    return [r for r in rows if r["measured_tokens_per_second"] and not r["tokens_per_second_outlier"]
+            and not r["left_out_of_fit"]]
+
+
+def with_constants(throughput: dict[str, Any], constants: dict[str, float]) -> dict[str, Any]:
+    """A copy of the throughput table with fitted constants ("fast.layer_pass_ms": 3.4, ...) put in."""
+    out = copy.deepcopy(throughput)
+    for key, value in constants.items():
+        node = out["model"]
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -605,7 +794,7 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"  parameters {m['parameters'] / 1e9:.3f} B, trainable (LoRA r{s['r']}) {m['trainable_parameters'] / 1e6:.2f} M; "
              f"frozen weights bf16 {m['frozen_weight_bytes']['bf16'] * gib:.2f} GiB, "
              f"NF4+double quant {m['frozen_weight_bytes']['nf4_double_quant'] * gib:.2f} GiB",
-             f"  settings: {s['method']}, checkpointing {'on' if s['checkpointing'] else 'off'} "
+             f"  settings: {s['method']}, checkpointing {checkpointing_words(s['checkpointing'], s['ckpt_every'])} "
              f"(hardware.gradient_checkpointing={s['gradient_checkpointing_setting']}, budget {s['budget_gib']} GiB), "
              f"{'packed ' if s['packing'] else ''}micro-batch {mem['tokens_per_micro_batch']} tokens "
              f"(bs {s['batch_size']}, max_length {s['max_length']})",
@@ -629,11 +818,12 @@ def format_plan(plan: dict[str, Any]) -> str:
                 lines.append(f"    {row['gpu']:9s} does not fit")
                 continue
             costs = ", ".join(f"{k} ${v:.2f}" for k, v in row["cost_usd"].items() if v is not None)
-            scaled = "*" if "unmeasured" in row["throughput_source"] or "stated" in row["throughput_source"] else " "
+            scaled = "*" if "unmeasured" in row["throughput_source"] else " "
             lines.append(f"    {row['gpu']:9s} {row['tokens_per_second']:>6,} tok/s{scaled} epoch {row['epoch_hours'] * 60:7.1f} min"
                          f"  run {row['run_hours'] * 60:7.1f} min  {costs}")
-        lines.append("    (* not measured on that GPU: scaled by bf16 peak FLOPs; run 50 steps and read the manifest's "
-                     "tokens/s before a long run)")
+        lines.append("    (H200: the throughput model of docs/plan.md, or a measured run of the same configuration; * scaled "
+                     "from it by bf16 peak FLOPs, unmeasured; run 50 steps and read the manifest's tokens/s before a "
+                     "long run)")
     for w in plan["warnings"]:
         lines.append(f"  warning: {w}")
     return "\n".join(lines)
@@ -652,7 +842,7 @@ def preflight(cfg: DictConfig, device: str,
               budget_bytes: float | None = None) -> tuple[int, int, bool, int, str] | None:
     """Before `make train` loads the model, on a GPU: plan, write outputs/plan.json, and return (rows per
     micro-batch, gradient accumulation, checkpointing, every_n_layers, why) fitted to budget_bytes
-    (reprotune.speed's memory budget; the GPU's free memory when None) in the order of candidate_settings.
+    (reprotune.speed's memory budget; the GPU's free memory when None): the fastest fitting setting (fit_to_budget).
     Stops with one line (exit 2) when even that cannot fit the free memory. None on a CPU."""
     if device != "cuda":
         return None
@@ -678,16 +868,19 @@ def preflight(cfg: DictConfig, device: str,
 
 def fit_to_budget(cfg: DictConfig, shape: Shape, data: DataShape | None, budget_bytes: float,
                   consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
-    """The first setting in candidate_settings' order (the method is never changed) whose card need fits the
-    budget, else the smallest; as configured when checkpointing is forced."""
+    """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
+    global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
+    else the ladder's smallest; as configured when checkpointing is forced."""
     s = settings_from_cfg(cfg)
     forced = not _auto(cfg.hardware.gradient_checkpointing)
     ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
-    for cand in ladder:
-        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
-        if needed_bytes(mem, consts) <= budget_bytes:
-            return cand, mem
-    return ladder[-1], mem
+    if not forced:
+        found = fastest_fitting(shape, [o for r in rebatched(s) for o in checkpointing_options(r)] + ladder, data,
+                                budget_bytes, consts, load_table("throughput.yaml"))
+        if found:
+            return found
+    last = ladder[-1]
+    return last, memory(shape, count_params(shape, list(last.targets), last.r, last.dora), last, data, consts)
 
 
 def check_fits(cfg: DictConfig, plan: dict[str, Any], free_bytes: float, gpu_name: str) -> None:

@@ -42,6 +42,8 @@ class FastPath:
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     reasons: tuple[str, ...]
+    dynamic_shapes: bool = False  # torch.compile traces symbolic sequence lengths from the first call
+
 
     def as_record(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,9 +93,23 @@ def choose(cfg: DictConfig, device: str, fitted: Fit | None = None) -> FastPath:
         if device == "cuda" and fitted:
             rows, accum, ckpt, every, why = fitted
             reasons.append(why)
+    dynamic = attn == "flex_attention"
+    if dynamic:
+        reasons.append("compile: dynamic shapes from the first call")
     return FastPath(packing=packing, attn_implementation=attn, liger=liger, activation_checkpointing=bool(ckpt),
                     checkpoint_every_n_layers=every if ckpt else 1, per_device_train_batch_size=rows,
-                    gradient_accumulation_steps=accum, reasons=tuple(reasons))
+                    gradient_accumulation_steps=accum, reasons=tuple(reasons), dynamic_shapes=dynamic)
+
+
+def apply_compile_settings(fast: FastPath) -> None:
+    """Flex attention's block mask and kernels are compiled by torch.compile. Packed micro-batches change length
+    every step; by default dynamo first compiles for the static length and recompiles symbolically on the next
+    length. On the H200 the static compile of the block mask did not finish in 150 s at 8,800+ tokens per
+    micro-step (4,400: ~20 s), while the symbolic compile took ~8 s at any size; so compile symbolically at once."""
+    if fast.dynamic_shapes:
+        import torch._dynamo
+
+        torch._dynamo.config.assume_static_by_default = False
 
 
 # ------------------------------------------------------------------------------- memory (interim rule)

@@ -386,6 +386,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     original_template = tokenizer.chat_template
     fast = choose_fast_path(cfg, device, model_dir)
     log.info("speed: %s", "; ".join(fast.reasons))
+    speed.apply_compile_settings(fast)
     model = load_base_model(model_dir, cfg, device, dtype, fast.attn_implementation)
 
     fingerprint = config_fingerprint(cfg)
