@@ -4,7 +4,8 @@
 # llama.cpp comes from the llama-cpp-python sdist on PyPI, checked against the sha256 in
 # lockfiles/llama-cpp.txt. From that one source tree we use:
 #   - the llama-cpp-python wheel (libllama + Python bindings, also llama_model_quantize and the server),
-#     built portable (-DGGML_NATIVE=OFF) with the hash-locked tools of lockfiles/llama-cpp-build.txt;
+#     built without -march=native (-DGGML_NATIVE=OFF), CPU kernels for x86-64-v3 where the CPU has it (below),
+#     with the hash-locked tools of lockfiles/llama-cpp-build.txt;
 #   - vendor/llama.cpp/convert_hf_to_gguf.py with its own vendored gguf-py.
 # Results are cached under $LLAMA_CPP_CACHE/<version>-<key>, key = sdist sha256 + build flags + Python minor
 # version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
@@ -21,9 +22,38 @@ CACHE=${LLAMA_CPP_CACHE:-.cache/llama-cpp}
 mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)   # absolute: the image keeps it in /opt/llama.cpp
 PYTHON="$VENV/bin/python"   # not python3: an image has Python only in its venv
 LOCK=lockfiles/llama-cpp.txt
-# GGML_NATIVE=OFF: portable. LLAMA_OPENSSL=OFF: llama.cpp's HTTPS model downloader is never used here, and with it ON
-# the build would depend on whether the machine happens to have libssl-dev (it changes libllama-common).
+# GGML_NATIVE=OFF: no -march=native, so the bytes do not depend on the machine that compiles. LLAMA_OPENSSL=OFF:
+# llama.cpp's HTTPS model downloader is never used here, and with it ON the build would depend on whether the machine
+# happens to have libssl-dev (it changes libllama-common).
 CMAKE_FLAGS="-DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+# CPU kernels (ggml-cpu only; docs/export.md). On x86-64, NATIVE=OFF alone compiles them without any SIMD: the parity
+# step's F16 greedy took 130-150 s per prompt. So a fixed set, x86-64-v3 (Haswell/Zen and later; ggml's own "haswell"
+# variant), when this CPU has it: the same flags, hence the same bytes, on every such machine. ggml's runtime choice
+# (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS) is not usable here: llama-cpp-python 0.3.36 neither packages the
+# libggml-cpu-<variant>.so modules nor loads them. aarch64: NEON is part of the base ISA, so the default build already
+# has SIMD there and the x86 flags do not apply. LLAMA_CPP_CPU=portable forces the baseline (an image for older CPUs).
+X86_64_V3_FLAGS="-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_F16C=ON -DGGML_FMA=ON -DGGML_AVX2=ON -DGGML_BMI2=ON"
+X86_64_V3_CPUINFO="sse4_2 avx f16c fma avx2 bmi2"   # the same features as /proc/cpuinfo names them
+cpu_lacks() {  # the x86-64-v3 features this CPU lacks (all of them on another architecture); tests fake the cpuinfo
+  local have missing=()
+  [ "$(uname -m)" = x86_64 ] || { echo "$X86_64_V3_CPUINFO"; return; }
+  have=" $(grep -m1 '^flags' "${LLAMA_CPP_CPUINFO:-/proc/cpuinfo}" 2>/dev/null | cut -d: -f2) "
+  for f in $X86_64_V3_CPUINFO; do [[ "$have" == *" $f "* ]] || missing+=("$f"); done
+  echo "${missing[*]}"
+}
+case "${LLAMA_CPP_CPU:-auto}" in
+  auto)
+    lacks=$(cpu_lacks)
+    if [ -z "$lacks" ]; then CPU_LEVEL=x86-64-v3
+    else
+      CPU_LEVEL=portable
+      [ "$(uname -m)" != x86_64 ] || echo "build_llama_cpp: this CPU lacks $lacks: llama.cpp is built without" \
+        "x86 SIMD (portable; the GGUF parity step then takes minutes per prompt)" >&2
+    fi ;;
+  portable|x86-64-v3) CPU_LEVEL=$LLAMA_CPP_CPU ;;
+  *) echo "build_llama_cpp: LLAMA_CPP_CPU must be auto, x86-64-v3 or portable, not '$LLAMA_CPP_CPU'" >&2; exit 2 ;;
+esac
+[ "$CPU_LEVEL" = portable ] || CMAKE_FLAGS="$CMAKE_FLAGS $X86_64_V3_FLAGS"
 
 pin=$(grep -o '^llama-cpp-python==[^ ]*' "$LOCK")
 version=${pin#llama-cpp-python==}
@@ -51,6 +81,13 @@ prune_source() {
   done
 }
 
+if [ "$CPU_LEVEL" = x86-64-v3 ] && [ -n "$(cpu_lacks)" ]; then  # it would die of SIGILL at the first AVX2 instruction
+  log "LLAMA_CPP_CPU=x86-64-v3, but this CPU lacks $(cpu_lacks): use LLAMA_CPP_CPU=auto or portable"; exit 1
+fi
+if [ ! -f "$dir/done" ] && [ "$CPU_LEVEL" = portable ] && grep -qsx x86-64-v3 "$CACHE"/"$version"-*/cpu_level; then
+  log "the llama.cpp build in $CACHE needs an x86-64-v3 CPU ($X86_64_V3_CPUINFO) and this one lacks" \
+    "$(cpu_lacks): it needs a portable build (LLAMA_CPP_CPU=portable; an image: rebuild it on such a CPU)"
+fi
 if [ -f "$CACHE/NOT-BUILT" ] && [ ! -f "$dir/done" ]; then
   log "$(cat "$CACHE/NOT-BUILT"): rebuild it with llama.cpp (make docker-build, LLAMA_CPP=1 is the default)"; exit 1
 fi
@@ -107,6 +144,7 @@ if [ ! -f "$dir/done" ]; then
   prune_source "$dir.tmp/src/llama_cpp_python-$version"
   echo "$(( $(date +%s) - start ))" > "$dir.tmp/build_seconds"
   toolchain > "$dir.tmp/toolchain"
+  echo "$CPU_LEVEL" > "$dir.tmp/cpu_level"
   touch "$dir.tmp/done"
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
 fi

@@ -4,6 +4,8 @@ other tools only show after shipping (unknown pre-tokenizer, degraded vocab, tem
 from __future__ import annotations
 
 import json
+import os
+import platform
 import re
 import shutil
 import subprocess
@@ -37,6 +39,29 @@ def test_gguf_files(exported: tuple[Path, list[str]]) -> None:
     assert manifest["llama_cpp"]["llama_cpp_python"] == "0.3.36"
     assert manifest["timing"]["convert_seconds"] > 0 and manifest["timing"]["quantize_Q4_K_M_seconds"] > 0
     assert not (root / "outputs/gguf.tmp").exists()
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_llama_cpp_kernels_use_the_cpus_simd(exported: tuple[Path, list[str]]) -> None:
+    """The pinned build's CPU kernels have SIMD (scripts/build_llama_cpp.sh; with the portable x86 build the parity
+    step's F16 greedy took 130-170 s a prompt), and the manifest records which, since greedy answers depend on it."""
+    root, _ = exported
+    info = json.loads((root / "outputs/export/gguf_manifest.json").read_text())["llama_cpp"]["system_info"]
+    if platform.machine() == "aarch64":
+        assert "NEON = 1" in info, info  # part of the base ISA: the default build has it
+    elif platform.machine() != "x86_64":
+        pytest.skip(f"no SIMD expectation for {platform.machine()}")
+    elif os.environ.get("LLAMA_CPP_CPU") == "portable" or not {"sse4_2", "avx", "f16c", "fma", "avx2",
+                                                                  "bmi2"} <= cpu_flags():
+        assert "AVX2 = 1" not in info, info  # it would die of SIGILL on this CPU
+    else:
+        assert all(f"{feature} = 1" in info for feature in ("AVX", "AVX2", "F16C", "FMA", "BMI2")), info
 
 
 def test_parity_report(exported: tuple[Path, list[str]]) -> None:

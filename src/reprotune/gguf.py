@@ -366,6 +366,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         "manifest_path": os.path.relpath(manifest_path, root),
         "seeds": {"seed": int(cfg.seed)},
         "llama_cpp": {"llama_cpp_python": llamacpp.version(), "source": str(src),
+                      "system_info": llamacpp.system_info(),
                       "lock_sha256": mf.sha256_file(llamacpp.REPO / "lockfiles/llama-cpp.txt")},
         "inputs": {"merged": mf.path_record(merged, root),
                    "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),

@@ -60,6 +60,14 @@ def version() -> str:
     return llama_cpp.__version__
 
 
+def system_info() -> str:
+    """What the loaded ggml was compiled with ("AVX2 = 1 | F16C = 1 | FMA = 1 | ..."): the kernels whose float
+    arithmetic the greedy parity answers depend on (scripts/build_llama_cpp.sh chooses them)."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
+
+
 @contextmanager
 def captured_log(on_line: Callable[[int, str], None] | None = None) -> Iterator[list[tuple[int, str]]]:
     """Collect llama.cpp's log lines (level, text) while the block runs; optionally watch each one.
