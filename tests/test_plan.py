@@ -279,7 +279,7 @@ def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
     tp = plan.load_table("throughput.yaml")
 
     def tps(s: plan.Settings) -> float:
-        return 1 / sum(plan.model_seconds_per_token(plan.step_work(shape, s, data), tp).values())
+        return plan.model_tokens_per_second(shape, s, data, tp)
 
     roomy, _ = plan.fit_to_budget(cfg, shape, data, 100 * GIB, consts)
     assert (roomy.checkpointing, roomy.batch_size, roomy.grad_accum) == (False, 16, 1)

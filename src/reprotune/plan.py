@@ -357,6 +357,13 @@ def checkpointing_options(s: Settings) -> list[Settings]:
             + [replace(s, checkpointing=True, ckpt_every=1)])
 
 
+def same_method_candidates(s: Settings) -> list[Settings]:
+    """Everything the preflight weighs for the configured method: larger packed micro-steps (each with every
+    checkpointing option), then candidate_settings' ladder of the same method."""
+    return ([o for r in rebatched(s) for o in checkpointing_options(r)]
+            + [c for c in candidate_settings(s) if c.load_in_4bit == s.load_in_4bit])
+
+
 def candidate_settings(s: Settings) -> list[Settings]:
     """From fastest to smallest: no checkpointing, every n-th layer checkpointed, every layer, smaller
     micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
@@ -384,7 +391,7 @@ def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None,
         mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
         if needed_bytes(mem, consts) > capacity_bytes:
             continue
-        tps = 1 / sum(model_seconds_per_token(step_work(shape, cand, data), throughput).values())
+        tps = model_tokens_per_second(shape, cand, data, throughput)
         if best is None or tps > best[0]:
             best = (tps, cand, mem)
     return (best[1], best[2]) if best else None
@@ -395,9 +402,7 @@ def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_
     """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
     candidate_settings' ladder), else of the ladder's QLoRA fallback."""
     throughput = load_table("throughput.yaml")
-    own = [c for c in candidate_settings(s) if c.load_in_4bit == s.load_in_4bit]
-    for cands in ([o for r in rebatched(s) for o in checkpointing_options(r)] + own,
-                  [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
+    for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
         found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput)
         if found:
             return found
@@ -506,6 +511,11 @@ def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]
     gemm_ms = sum(v for k, v in ms.items() if k.endswith("gemm_time_factor"))
     return {"gemm": gemm_ms / 1e3 / w.step.counted,
             "overhead": (sum(ms.values()) - gemm_ms) / 1e3 / w.step.counted}
+
+
+def model_tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, throughput: dict[str, Any]) -> float:
+    """The throughput model's tokens/s on the H200."""
+    return 1 / sum(model_seconds_per_token(step_work(shape, s, data), throughput).values())
 
 
 def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: str,
@@ -873,13 +883,12 @@ def fit_to_budget(cfg: DictConfig, shape: Shape, data: DataShape | None, budget_
     else the ladder's smallest; as configured when checkpointing is forced."""
     s = settings_from_cfg(cfg)
     forced = not _auto(cfg.hardware.gradient_checkpointing)
-    ladder = [s] if forced else [c for c in candidate_settings(s) if not (c.load_in_4bit and not s.load_in_4bit)]
+    cands = [s] if forced else same_method_candidates(s)
     if not forced:
-        found = fastest_fitting(shape, [o for r in rebatched(s) for o in checkpointing_options(r)] + ladder, data,
-                                budget_bytes, consts, load_table("throughput.yaml"))
+        found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"))
         if found:
             return found
-    last = ladder[-1]
+    last = cands[-1]
     return last, memory(shape, count_params(shape, list(last.targets), last.r, last.dora), last, data, consts)
 
 
