@@ -8,6 +8,7 @@ What `make train` picks on a GPU without being told (hardware=gpu or hardware=au
 - an attention kernel that skips the masked blocks of that block-diagonal mask (flex attention);
 - Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (TRL already projects the LM head in tiles, so the logits are
   never materialised);
+- LoRA's scale and add done inside the adapter's second matrix product (reprotune.fused_lora);
 - activation checkpointing only when the run would not fit in GPU memory without it.
 Each choice can be forced in conf/hardware/ (and train.packing); `choose` records why it chose what it did.
 """
@@ -43,6 +44,7 @@ class FastPath:
     gradient_accumulation_steps: int
     reasons: tuple[str, ...]
     dynamic_shapes: bool = False  # torch.compile traces symbolic sequence lengths from the first call
+    fused_lora: bool = False  # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
 
 
     def as_record(self) -> dict[str, Any]:
@@ -96,9 +98,14 @@ def choose(cfg: DictConfig, device: str, fitted: Fit | None = None) -> FastPath:
     dynamic = attn == "flex_attention"
     if dynamic:
         reasons.append("compile: dynamic shapes from the first call")
+    fused = hw.get("fused_lora", "auto")
+    fused = fast and device == "cuda" if _auto(fused) else bool(fused)
+    if fused:
+        reasons.append("LoRA scale and add fused into B's matrix product")
     return FastPath(packing=packing, attn_implementation=attn, liger=liger, activation_checkpointing=bool(ckpt),
                     checkpoint_every_n_layers=every if ckpt else 1, per_device_train_batch_size=rows,
-                    gradient_accumulation_steps=accum, reasons=tuple(reasons), dynamic_shapes=dynamic)
+                    gradient_accumulation_steps=accum, reasons=tuple(reasons), dynamic_shapes=dynamic,
+                    fused_lora=fused)
 
 
 def apply_compile_settings(fast: FastPath) -> None:

@@ -435,7 +435,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
     from peft.helpers import disable_input_dtype_casting
 
-    with disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"):
+    from reprotune.fused_lora import fused_lora
+
+    with (disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"),
+          fused_lora(trainer.model, active=fast.fused_lora) as fused_layers):
+        if fused_layers:
+            log.info("fused LoRA sum in %d layers", fused_layers)
         trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
     # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
