@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DOCKER=${DOCKER:-docker}
 TAG=${BENCH_IMAGE:-reprotune:cpu-llama-compiled}
-# the wheel's shared libraries: llama_cpp/lib (what the Python bindings load) and lib/ (libllama-common)
+# the wheel's shared libraries: llama_cpp/lib (what the Python bindings load) and lib/ (llama.cpp's own install)
 site=$(.venv/bin/python -c 'import llama_cpp, os; print(os.path.dirname(os.path.dirname(llama_cpp.__file__)))')
 if [ "${BENCH_BUILD:-1}" = 1 ]; then
   LLAMA_CPP_SEED=0 REPROTUNE_IMAGE=$TAG VARIANT=cpu bash scripts/docker_build.sh > /tmp/reprotune-llama-identity.log 2>&1 \

@@ -5,7 +5,8 @@
 # lockfiles/llama-cpp.txt. From that one source tree we use:
 #   - the llama-cpp-python wheel (libllama + Python bindings, also llama_model_quantize and the server),
 #     built without -march=native (-DGGML_NATIVE=OFF), CPU kernels for x86-64-v3 where the CPU has it (below),
-#     with the hash-locked tools of lockfiles/llama-cpp-build.txt;
+#     with the hash-locked tools of lockfiles/llama-cpp-build.txt, and without llama.cpp's common/ library
+#     (scripts/llama_cpp_no_common.cmake: nothing here loads it);
 #   - vendor/llama.cpp/convert_hf_to_gguf.py with its own vendored gguf-py.
 # Results are cached under $LLAMA_CPP_CACHE/<version>-<key>, key = sdist sha256 + build flags + Python minor
 # version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
@@ -62,7 +63,10 @@ sha=$(grep -A1 '^llama-cpp-python==' "$LOCK" | grep -o 'sha256:[0-9a-f]*' | head
 platform=$("$PYTHON" -c 'import platform, sys; print(sys.version_info[:2], platform.machine(), platform.libc_ver())')
 # v2: the build maps its own paths to fixed names (-ffile-prefix-map), so the binaries do not depend on where
 # the cache is (__FILE__ in ggml's asserts would otherwise embed it)
-key=$(printf '%s %s %s %s' "$sha" "$CMAKE_FLAGS" "$platform" "paths-v2" | sha256sum | cut -c1-16)
+# the project include (LLAMA_BUILD_COMMON off, scripts/llama_cpp_no_common.cmake) is part of the build, so of the key
+PROJECT_INCLUDE=$PWD/scripts/llama_cpp_no_common.cmake
+key=$(printf '%s %s %s %s %s' "$sha" "$CMAKE_FLAGS" "$platform" "paths-v2" "$(sha256sum < "$PROJECT_INCLUDE")" \
+  | sha256sum | cut -c1-16)
 dir="$CACHE/$version-$key"
 src="$dir/src/llama_cpp_python-$version"
 
@@ -122,7 +126,7 @@ if [ ! -f "$dir/done" ]; then
   # the source and build trees get fixed names inside the binaries, and llama.cpp's build info must not pick up the
   # git commit of a repository the cache happens to sit in (GIT_CEILING_DIRECTORIES): the same bytes wherever built
   prefix_map="-ffile-prefix-map=$dir.tmp/src=/llama-cpp/src -ffile-prefix-map=$dir.tmp/build=/llama-cpp/build"
-  PATH="$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  PATH="$dir.tmp/buildenv/bin:$PATH" CMAKE_ARGS="$CMAKE_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$PROJECT_INCLUDE" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     CFLAGS="$prefix_map" CXXFLAGS="$prefix_map" SOURCE_DATE_EPOCH=1767225600 GIT_CEILING_DIRECTORIES="$dir.tmp" \
     "$dir.tmp/buildenv/bin/python" -m pip wheel -v --disable-pip-version-check --no-deps --no-build-isolation \
     --config-settings=cmake.verbose=false --config-settings=build-dir="$dir.tmp/build" \
