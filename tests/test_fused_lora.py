@@ -1,7 +1,7 @@
 """The fused LoRA sum (reprotune.fused_lora) computes PEFT's numbers: the same loss and adapter gradients as PEFT's
 own forward on the tiny model (fp32: 1e-5 loss, 1e-4 relative gradients; under bf16 autocast no further from
-the fp32 numbers than PEFT's bf16 forward), takes the fused
-path in every LoRA layer (one addmm each), leaves DoRA to PEFT bit for bit, and gives the layers back on exit.
+the fp32 numbers than PEFT's bf16 forward), takes the fused path in every LoRA layer (one addmm each), leaves
+DoRA to PEFT bit for bit, and gives the layers back on exit.
 """
 
 from __future__ import annotations

@@ -52,19 +52,21 @@ def plain_adapter(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
     return name
 
 
+def _same_dtypes(module: nn.Module, name: str, x: torch.Tensor) -> bool:
+    """Outside autocast PEFT casts between the adapter's and the layer's dtypes; the fused sum needs none."""
+    return (torch.is_autocast_enabled(x.device.type)
+            or x.dtype == module.lora_A[name].weight.dtype == module.lora_B[name].weight.dtype)
+
+
 def fused_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """PEFT's LoRA linear forward, the scale and add of the adapter folded into B's product."""
-    name = plain_adapter(module, kwargs)
-    if name is None or args:
+    name = None if args else plain_adapter(module, kwargs)
+    if name is None or not _same_dtypes(module, name, x):
         return type(module).forward(module, x, *args, **kwargs)
     result = module.base_layer(x)
     hidden = module.lora_A[name](x)
-    weight = module.lora_B[name].weight
-    if not torch.is_autocast_enabled(x.device.type) and not (result.dtype == hidden.dtype == weight.dtype):
-        # outside autocast PEFT casts between the adapter's and the layer's dtypes: leave that to PEFT
-        return type(module).forward(module, x, *args, **kwargs)
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), weight.t(),
-                      alpha=module.scaling[name])
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
+                      module.lora_B[name].weight.t(), alpha=module.scaling[name])
     return out.view(result.shape)
 
 
