@@ -3,6 +3,7 @@
     python bench/seed_recipe.py                                  # 8B shape, LoRA and QLoRA, 10 steps each
     python bench/seed_recipe.py --runs seed:lora ours:lora --steps 20 -- model.random_init.tokenizer_dir=/tok
     python bench/seed_recipe.py --runs ours:lora ours:lora@8x2     # @RxA: R rows per micro-batch x A accumulation
+    python bench/seed_recipe.py --runs ours:lora ours:lora#2 ours:lora+strict   # #N: a repeat; +strict: repro=strict
 
 (a) `seed:*` is the guide's train.py (../shared/seeds, guide-private-qlora) written as plain TRL code: SFTTrainer,
     LoRA r16 alpha 32 dropout 0.05 on all linear layers, batch 4 x grad-accum 4, max_length 2048, bf16, TRL's
@@ -193,12 +194,14 @@ def main() -> None:
     results = {}
     for run in args.runs:
         who, method = run.split(":")
+        method, _, _repeat = method.partition("#")  # ours:lora#2: the same run again (the spread between runs)
+        method, _, mode = method.partition("+")  # ours:lora+strict: repro=strict
         method, _, shape = method.partition("@")  # ours:lora@8x2: 8 rows x 2 accumulation (same global batch)
-        extra = []
+        extra = [f"repro={mode}"] if mode else []
         if shape:
             rows, accum = shape.split("x")
-            extra = [f"train.per_device_train_batch_size={rows}", f"train.gradient_accumulation_steps={accum}"]
-        root = args.out / run.replace(":", "-").replace("@", "-")
+            extra += [f"train.per_device_train_batch_size={rows}", f"train.gradient_accumulation_steps={accum}"]
+        root = args.out / run.replace(":", "-").replace("@", "-").replace("+", "-").replace("#", "-")
         root.mkdir(parents=True, exist_ok=True)
         if who == "seed":
             result = root / "result.json"
@@ -219,14 +222,15 @@ def print_table(model: str, steps: int, results: dict) -> None:
     print(f"\n{model}, {steps} optimizer steps of 16 rows (4 x 4 unless stated; packed rows for ours), "
           "H200 bf16 peak 790 TFLOP/s\n")
     print("| run | setting | tokens/s (steady) | tokens/s (whole run) | MFU | peak GiB (alloc / reserved) "
-          "| planned peak GiB | loss at last step | x seed |\n|---|---|---|---|---|---|---|---|---|")
+          "| planned peak GiB | loss at last step | x seed | adapter sha256 |\n|---|---|---|---|---|---|---|---|---|---|")
     for run, r in results.items():
-        base = results.get("seed:" + run.split(":")[1].split("@")[0])
+        base = results.get("seed:" + run.split(":")[1].split("@")[0].split("+")[0].split("#")[0])
         ratio = (r["steady_tokens_per_s"] / base["steady_tokens_per_s"]) if base and base["steady_tokens_per_s"] else None
         planned = r.get("planned_peak_gib")
         print(f"| {run} | {setting(r)} | {r['steady_tokens_per_s'] or 0:,.0f} | {r['tokens_per_s']:,.0f} | "
               f"{(r['mfu'] or 0) * 100:.1f}% | {r['peak_gib']:.1f} / {r['reserved_gib']:.1f} | "
-              f"{f'{planned:.1f}' if planned else '-'} | {r['final_loss']:.3f} | {f'{ratio:.2f}x' if ratio else '-'} |")
+              f"{f'{planned:.1f}' if planned else '-'} | {r['final_loss']:.3f} | {f'{ratio:.2f}x' if ratio else '-'} | "
+              f"{r.get('adapter_sha256', '-')[:16]} |")
 
 
 def setting(r: dict) -> str:

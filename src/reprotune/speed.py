@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -222,9 +223,24 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF1
     return tokens_per_second * flops_per_token / peak
 
 
+def steady_rate(marks: list[tuple[int, float, int]], skip_first: int = 2, slow_factor: float = 1.2) -> float | None:
+    """Steady tokens/s from (step, time, tokens seen) marks: the first `skip_first` steps are left out, and so is
+    any later step whose seconds per token exceed `slow_factor` x the median step's. Why the second rule: on a
+    fresh host compilation and autotuning can spill past the first steps (one 8-step run measured 11.5k tokens/s
+    against 15.0k on the next run); a median-anchored window reports the rate the run settles at, never a rate
+    above its own median step."""
+    steps = [(n1 - n0, t1 - t0) for (_, t0, n0), (_, t1, n1) in zip(marks, marks[1:], strict=False)][skip_first:]
+    steps = [(n, t) for n, t in steps if n > 0 and t > 0]
+    if not steps:
+        return None
+    median = statistics.median(t / n for n, t in steps)
+    kept = [(n, t) for n, t in steps if t / n <= slow_factor * median]
+    return sum(n for n, _ in kept) / sum(t for _, t in kept)
+
+
 def step_timer_callback(skip_first: int = 2, stop_before: int | None = None):
-    """A TrainerCallback timing every optimizer step (GPU-synchronised), so tokens/s can leave out the first
-    steps (kernel compilation, autotuning, allocator warm-up) as well as report the whole run."""
+    """A TrainerCallback timing every optimizer step (GPU-synchronised), so tokens/s can leave out the warm-up
+    (kernel compilation, autotuning, allocator warm-up; `steady_rate`) as well as report the whole run."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -246,10 +262,7 @@ def step_timer_callback(skip_first: int = 2, stop_before: int | None = None):
 
         def steady_tokens_per_second(self) -> float | None:
             marks = [m for m in self.marks if stop_before is None or m[0] <= stop_before]
-            if len(marks) < skip_first + 2:
-                return None
-            (_, t0, n0), (_, t1, n1) = marks[skip_first], marks[-1]
-            return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+            return steady_rate(marks, skip_first)
 
         def step_seconds(self) -> list[float]:
             return [round(b[1] - a[1], 4) for a, b in zip(self.marks, self.marks[1:], strict=False)]
