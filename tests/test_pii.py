@@ -271,3 +271,40 @@ def test_tool_call_arguments_are_scrubbed_like_text(scrubber: Scrubber) -> None:
     (out,), _ = scrubber.scrub([conv])
     fake = json.loads(out[1]["tool_calls"][0]["function"]["arguments"])["to"]
     assert fake != "jane.doe@acme-corp.com" and out[0]["content"] == f"Email {fake} please"
+
+
+# --- #28: the leaks an independent planted corpus found ------------------------------------------------------
+
+
+@pytest.mark.parametrize("email", ["ops@10-1-2-3.example.org", "ops@192-168-10-23.acme-corp.com",
+                                   "admin@ip-10-1-2-3.ec2.internal", "root@[10.1.2.3]", '"jane roe"@acme-corp.com',
+                                   "billing@mail.corp.local"])
+def test_emails_at_ip_private_or_quoted_hosts_are_replaced(scrubber: Scrubber, email: str) -> None:
+    answer = json.dumps({"email": email, "total": 12.5})
+    new_user, new_answer = one(scrubber, f"Invoice for Karen Whitfield, email {email}. Total 12.50 USD.", answer)
+    assert email not in new_user and email not in new_answer and json.dumps(email)[1:-1] not in new_answer
+    assert json.loads(new_answer)["total"] == 12.5 and json.loads(new_answer)["email"] in new_user
+
+
+@pytest.mark.parametrize("text, ssn", [("Customer Karen Whitfield. SSN on file 078-05-1120.", "078-05-1120"),
+                                       ("SSN on file for the tenant: 219 09 9999", "219 09 9999"),
+                                       ("Social Security Number (verified) 536221234", "536221234"),
+                                       ("número de la seguridad social 536-22-1234", "536-22-1234"),
+                                       ("Wallet card sample 078-05-1120 was used by thousands.", "078-05-1120")])
+def test_ssn_with_words_after_the_label_or_famous_is_replaced(scrubber: Scrubber, text: str, ssn: str) -> None:
+    out = one(scrubber, text)[0]
+    assert ssn not in out
+    assert re.sub(r"\d", "#", out) == re.sub(r"\d", "#", text)  # same shape: digits for digits
+
+
+def test_a_number_in_ssn_shape_without_a_label_stays(scrubber: Scrubber) -> None:
+    text = "Order 123-45-6789 shipped; part 536221234 in stock."
+    assert one(scrubber, text) == [text]
+
+
+def test_a_full_name_found_once_is_replaced_in_every_example(scrubber: Scrubber) -> None:
+    """NER finds a name in one sentence and misses it in an almost identical one: the name still goes."""
+    convs = [[{"role": "user", "content": f"Invoice INV-{i:04d} for Karen Whitfield, card 4111 1111 1111 1111."},
+              {"role": "assistant", "content": json.dumps({"invoice_number": f"INV-{i:04d}"})}] for i in range(12)]
+    out, _ = scrubber.scrub(convs)
+    assert not any("Whitfield" in m["content"] for conv in out for m in conv)

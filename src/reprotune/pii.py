@@ -89,9 +89,26 @@ PRIVATE_LABEL = re.compile(
     r"stepson|stepdaughter|in-law|mother-in-law|father-in-law),?\s+)$",
     re.IGNORECASE)
 RESERVED_EMAIL_DOMAIN = re.compile(r"(?:^|\.)(?:example\.(?:com|org|net)|example|test|invalid|localhost)$")
+# Private-use host names (RFC 6762 .local, ICANN's .internal, common intranet names): not on the public
+# suffix list, but a mailbox there is someone's mailbox.
+PRIVATE_EMAIL_TLD = re.compile(r"\.(?:internal|local|lan|corp|home|intranet|localdomain|private)$")
+# A host that carries an IPv4 address, dotted or dashed (ops@10-1-2-3.example.org, ip-10-1-2-3.ec2.internal,
+# user@[10.1.2.3]): an IP address is personal data whatever the domain around it.
+IP_IN_HOST = re.compile(r"(?<!\d)(?:\d{1,3}[-.]){3}\d{1,3}(?!\d)")
+# Quoted local parts (RFC 5321: "john doe"@acme.com), which Presidio's email pattern does not cover
+QUOTED_EMAIL = r'"[^"\n@\\]{1,64}"@[\w-]+(?:\.[\w-]+)*\.[^\W\d_]{2,}\b'
+
 NEAR_OTHER_PII = 80  # characters: a name this close to an email, phone, account... is someone's contact data
-SSN_LABELLED = re.compile(r"\b(?:ssn|social security(?:\s+(?:number|no\.?|#))?|soc\.?\s*sec\.?(?:\s*no\.?)?)"
-                          r"\s*(?:number|no\.?|#)?\s*[:#]?\s*(\d{3}([- ]?)\d{2}\2\d{4})\b", re.IGNORECASE)
+# An SSN label, then up to 40 characters of words on the same line ("SSN on file", "SSN (verified):",
+# "número de la seguridad social"): any number in SSN form there is someone's SSN to a reader, even one
+# Presidio rejects as never issued (regex module, as Presidio uses: variable-length lookbehind).
+SSN_LABEL = (r"(?:\bssns?|\bsocial[ -]security(?:[ -](?:number|no\.?|#|card|nr\.?))?|\bsoc\.?\s*sec\.?"
+             r"|\bn[uú]mero\s+de\s+(?:la\s+)?seguridad\s+social|\bseguro\s+social|\btaxpayer\s+id|\btin)")
+SSN_LABELLED = rf"(?<={SSN_LABEL}\b[^\n\d]{{0,40}})\b\d{{3}}([- .]?)\d{{2}}\1\d{{4}}\b"
+# The SSA's two best-known numbers: 078-05-1120 (the 1938 wallet-card insert, used by thousands as their
+# own) and 219-09-9999 (an SSA advertising sample). Presidio rejects the first as a placeholder; in a
+# dataset they are as likely a person's number as a sample, so they go in every separator form.
+SSN_FAMOUS = r"\b(?:078(?P<a>[- .]?)05(?P=a)1120|219(?P<b>[- .]?)09(?P=b)9999)\b"
 PHONE_CUE = re.compile(r"(?:phone|tel|mobile|cell|call|text me|whatsapp|fax|ph\.?|mob\.?|my number|reach me|"
                        r"ring|telefon|t[eé]l[eé]fono|num[eé]ro)[^\n\d]{0,15}$", re.IGNORECASE)
 DOTTED_PHONE_GROUPS = {(3, 3, 4), (2, 2, 2, 2, 2), (3, 4), (3, 3, 3), (4, 3, 3), (3, 2, 2, 2)}
@@ -228,6 +245,7 @@ def _make_person_recognizer(model_name: str) -> Any:
 
 def _make_email_recognizer() -> Any:
     import tldextract
+    from presidio_analyzer import Pattern
     from presidio_analyzer.predefined_recognizers import EmailRecognizer
 
     # tldextract's module-level extract() downloads the public suffix list; the bundled snapshot is enough
@@ -236,12 +254,18 @@ def _make_email_recognizer() -> Any:
 
     class OfflineEmailRecognizer(EmailRecognizer):
         def validate_result(self, pattern_text: str) -> bool:
-            domain = pattern_text.rsplit("@", 1)[-1].lower()
+            domain = pattern_text.rsplit("@", 1)[-1].lower().strip("[]")
+            if IP_IN_HOST.search(domain):
+                return True  # the host is an IP address (dashed or dotted), even under a reserved domain
             if RESERVED_EMAIL_DOMAIN.search(domain):
                 return False  # example.com & co. (RFC 2606) cannot be anyone's mailbox: not personal data
-            return extract(pattern_text).fqdn != ""
+            if PRIVATE_EMAIL_TLD.search(domain):
+                return True
+            return extract(pattern_text.rsplit("@", 1)[-1]).fqdn != ""
 
-    return OfflineEmailRecognizer()
+    patterns = [*EmailRecognizer.PATTERNS, Pattern("Email (quoted local part)", QUOTED_EMAIL, 0.5),
+                Pattern("Email (IP literal)", r"\b[\w.+-]+@\[(?:\d{1,3}\.){3}\d{1,3}\]", 0.5)]
+    return OfflineEmailRecognizer(patterns=patterns)
 
 
 def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) -> Any:
@@ -250,7 +274,7 @@ def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) ->
     The NLP engine is Presidio's no-op one: pattern recognizers need no tokens, and PERSON comes from
     our gated recognizer, which runs spaCy only on texts that contain a given name.
     """
-    from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+    from presidio_analyzer import AnalyzerEngine, Pattern, PatternRecognizer, RecognizerRegistry
     from presidio_analyzer.nlp_engine import NoOpNlpEngine
     from presidio_analyzer.predefined_recognizers import (
         CreditCardRecognizer,
@@ -273,10 +297,13 @@ def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) ->
                 return []
             return super().analyze(text, entities, nlp_artifacts)
 
+    ssn_in_context = PatternRecognizer(
+        "US_SSN", name="LabelledSsnRecognizer",
+        patterns=[Pattern("SSN after an SSN label", SSN_LABELLED, 0.9), Pattern("SSA sample SSN", SSN_FAMOUS, 0.9)])
     registry = RecognizerRegistry(supported_languages=["en"])
     recognizers = [
         _make_email_recognizer(), GatedPhoneRecognizer(supported_regions=tuple(phone_regions)), IbanRecognizer(),
-        UsBankRecognizer(), CreditCardRecognizer(), IpRecognizer(), UsSsnRecognizer(),
+        UsBankRecognizer(), CreditCardRecognizer(), IpRecognizer(), UsSsnRecognizer(), ssn_in_context,
         EsNifRecognizer(supported_language="en"), EsNieRecognizer(supported_language="en"), UrlRecognizer(),
     ]
     if names:
@@ -434,15 +461,9 @@ def _trim_quotes(text: str, f: Finding) -> Finding:
     return Finding(f.entity, start, end)
 
 
-def labelled_ssns(text: str) -> list[Finding]:
-    """A number in SSN form right after an SSN label is someone's SSN to a reader, even one Presidio rejects
-    as never issued (078-05-1120, the wallet-card number, appears in real data as a person's)."""
-    return [Finding("US_SSN", m.start(1), m.end(1)) for m in SSN_LABELLED.finditer(text)]
-
-
 def detect(analyzer: Any, text: str, entities: set[str], allow: frozenset[str] = frozenset()) -> list[Finding]:
     """Non-overlapping findings in text (the longer span wins an overlap, e.g. a URL over an email in it)."""
-    findings = labelled_ssns(text) if "US_SSN" in entities else []
+    findings = []
     for result in analyzer.analyze(text=text, language="en"):
         if not _keep(result, text):
             continue
@@ -679,6 +700,10 @@ def message_texts(message: dict[str, Any]) -> list[str]:
     return [message["content"], *(c["function"]["arguments"] for c in message.get("tool_calls") or ())]
 
 
+def conv_matches(pattern: re.Pattern, conv: list[dict[str, Any]]) -> Iterable[re.Match]:
+    return (m for message in conv for text in message_texts(message) for m in pattern.finditer(text))
+
+
 def map_texts(message: dict[str, Any], fn: Any) -> dict[str, Any]:
     out = {**message, "content": fn(message["content"])}
     if message.get("tool_calls"):
@@ -732,9 +757,13 @@ class Scrubber:
         report.values.update(found.values())
         report.values["PERSON"] += len({n.casefold() for n in names})
         pattern, lookup = self._pattern(found) if found else (None, {})
+        known = self._known_names(names)
         out = []
         for index, conv in enumerate(conversations):
-            here = sorted({v for m in conv for t in message_texts(m) for v in names_in[t]}, key=len, reverse=True)
+            here = {v for m in conv for t in message_texts(m) for v in names_in[t]}
+            if known is not None:  # a full name found in a private context elsewhere is the same person here
+                here |= {known[1][m.group(0).casefold()] for m in conv_matches(known[0], conv)}
+            here = sorted(here, key=len, reverse=True)
             person = self._person_pattern(here) if here else None
 
             def scrub_text(text: str, index: int = index, person: Any = person) -> str:
@@ -750,6 +779,16 @@ class Scrubber:
             report.examples_changed += new_conv != conv
             out.append(new_conv)
         return out, report
+
+    @staticmethod
+    def _known_names(names: set[str]) -> tuple[re.Pattern, dict[str, str]] | None:
+        """Full names (two words or more) found anywhere, as one case-insensitive whole-word pattern: NER
+        finds a name in one sentence and misses it in the next ("Invoice for Karen Whitfield, card ...")."""
+        full = {n.casefold(): n for n in sorted(names) if len(n.split()) > 1}
+        if not full:
+            return None
+        alternatives = "|".join(re.escape(n) for n in sorted(full, key=len, reverse=True))
+        return re.compile(rf"(?i)(?<![\w@.+-])(?:{alternatives})(?![\w@])"), full
 
     @staticmethod
     def _replace_all(pattern: re.Pattern, text: str, fn: Any, report: ScrubReport, trace: list | None,
