@@ -46,6 +46,7 @@ SECRET_PARAMS = re.compile(r"(token|key|secret|password|passwd|pwd|auth|signatur
                            re.IGNORECASE)
 ACCOUNT_CONTEXT = re.compile(r"(account|acct|a/c|konto|cuenta|compte|conto|rekening|kontonummer|bank)[^\n]{0,40}$",
                              re.IGNORECASE)
+ACCOUNT_WORD = re.compile(r"account|acct|a/c|konto|cuenta|compte|conto|rekening|iban|bank", re.IGNORECASE)
 PHONE_CANDIDATE = re.compile(r"\+?\(?\d[\d \t().\-/]{6,}\d")
 DATE_SHAPE = re.compile(r"\d{1,4}[./-]\d{1,2}[./-]\d{1,4}")
 AMOUNT_SHAPE = re.compile(r"\d{1,3}([.,\u00a0']\d{3})*([.,]\d{1,2})?|\d+[.,]\d{1,3}")
@@ -88,6 +89,9 @@ PRIVATE_LABEL = re.compile(
     r"doctor|therapist|teacher|student|client|customer|employee|assistant|kid|child|baby|ex|classmate|"
     r"stepson|stepdaughter|in-law|mother-in-law|father-in-law),?\s+)$",
     re.IGNORECASE)
+SURNAME_AFTER_WORD = re.compile(r"\b([A-Z][^\W\d_]+)[ ]([A-Z][^\W\d_]+)\b")
+NAME_HEADER = re.compile(r"\b(?:name|nombre|customer|cliente|contact|contacto|patient|paciente|employee|empleado|"
+                         r"tenant|inquilino|holder|titular|person|persona|passenger|pasajero)", re.IGNORECASE)
 RESERVED_EMAIL_DOMAIN = re.compile(r"(?:^|\.)(?:example\.(?:com|org|net)|example|test|invalid|localhost)$")
 # Private-use host names (RFC 6762 .local, ICANN's .internal, common intranet names): not on the public
 # suffix list, but a mailbox there is someone's mailbox.
@@ -95,6 +99,13 @@ PRIVATE_EMAIL_TLD = re.compile(r"\.(?:internal|local|lan|corp|home|intranet|loca
 # A host that carries an IPv4 address, dotted or dashed (ops@10-1-2-3.example.org, ip-10-1-2-3.ec2.internal,
 # user@[10.1.2.3]): an IP address is personal data whatever the domain around it.
 IP_IN_HOST = re.compile(r"(?<!\d)(?:\d{1,3}[-.]){3}\d{1,3}(?!\d)")
+# Presidio's patterns with "." as a separator too (and Mastercard's 2221-2720 range); see build_analyzer
+CARD_PATTERN = (r"\b(?!1\d{12}(?!\d))((4\d{3})|(5[0-5]\d{2})|(2[2-7]\d{2})|(6\d{3})|(1\d{3})|(3\d{3}))"
+                r"[- .]?(\d{3,4})[- .]?(\d{3,4})[- .]?(\d{3,5})\b")
+IBAN_PATTERN = (r"(?<![A-Z0-9])([A-Z]{2}[0-9]{2}(?:[ .-]?[A-Z0-9]{4}){2,6})((?:[ .-]?[A-Z0-9]{4})?)"
+                r"((?:[ .-]?[A-Z0-9]{1,3})?)(?![A-Z0-9])")
+DNI_PATTERN = r"\b(?:[0-9]?[0-9]{7}|[0-9]{1,2}\.[0-9]{3}\.[0-9]{3})[- ]?[A-Z]\b"
+NIE_PATTERN = r"\b[X-Z](?:[- ]?)[0-9]{7}[- ]?[A-Z]\b"
 # Quoted local parts (RFC 5321: "john doe"@acme.com), which Presidio's email pattern does not cover
 QUOTED_EMAIL = r'"[^"\n@\\]{1,64}"@[\w-]+(?:\.[\w-]+)*\.[^\W\d_]{2,}\b'
 
@@ -104,6 +115,7 @@ NEAR_OTHER_PII = 80  # characters: a name this close to an email, phone, account
 # Presidio rejects as never issued (regex module, as Presidio uses: variable-length lookbehind).
 SSN_LABEL = (r"(?:\bssns?|\bsocial[ -]security(?:[ -](?:number|no\.?|#|card|nr\.?))?|\bsoc\.?\s*sec\.?"
              r"|\bn[uú]mero\s+de\s+(?:la\s+)?seguridad\s+social|\bseguro\s+social|\btaxpayer\s+id|\btin)")
+SSN_WORD = re.compile(SSN_LABEL, re.IGNORECASE)
 SSN_LABELLED = rf"(?<={SSN_LABEL}\b[^\n\d]{{0,40}})\b\d{{3}}([- .]?)\d{{2}}\1\d{{4}}\b"
 # The SSA's two best-known numbers: 078-05-1120 (the 1938 wallet-card insert, used by thousands as their
 # own) and 219-09-9999 (an SSA advertising sample). Presidio rejects the first as a placeholder; in a
@@ -118,14 +130,16 @@ NAME_LOCALES = ("en_US", "en_GB", "en_IE", "en_IN", "es_ES", "es_MX", "de_DE", "
                 "hu_HU", "hr_HR", "sk_SK", "sl_SI", "lt_LT", "lv_LV", "et_EE", "id_ID", "fil_PH",
                 # names of people from Africa and South Asia too (fewer of their names were recognised)
                 "en_NG", "en_KE", "en_PK", "yo_NG", "ig_NG", "ha_NG", "tw_GH", "zu_ZA", "sw", "es_AR", "es_CO",
-                "fr_CA", "de_AT", "de_CH", "ga_IE", "is_IS", "az_AZ")
+                "fr_CA", "de_AT", "de_CH", "ga_IE", "is_IS", "az_AZ",
+                # the long US list (names of every origin: Rahul, Chen...) and more Spanish-speaking locales
+                "es", "es_CL", "es_CA", "fr_BE", "nl_BE", "en_NZ")
 
 
 class ScrubberUnavailable(RuntimeError):
     """The pinned name-detection model is missing (it comes with the locked dependencies)."""
 
 
-def _faker_names(attrs: tuple[str, ...]) -> frozenset[str]:
+def _faker_names(attrs: tuple[str, ...]) -> NameSet:
     import importlib
 
     names: set[str] = set()
@@ -136,8 +150,24 @@ def _faker_names(attrs: tuple[str, ...]) -> frozenset[str]:
             continue
         for attr in attrs:
             values = getattr(provider, attr, ())
+            if not isinstance(values, (list, tuple, dict, set, frozenset)):
+                continue  # some locales compute a list in a property
             names.update(v for v in values if isinstance(v, str) and v.isalpha() and len(v) > 1 and v[0].isupper())
-    return frozenset(names)
+    return NameSet(names | {strip_accents(n) for n in names})
+
+
+def strip_accents(word: str) -> str:
+    import unicodedata
+
+    return "".join(c for c in unicodedata.normalize("NFKD", word) if not unicodedata.combining(c))
+
+
+class NameSet(frozenset):
+    """A name list that also knows a name written with or without its accents (Siobhán / Siobhan, Iñaki),
+    since the lists spell many names one way only."""
+
+    def __contains__(self, word: object) -> bool:
+        return super().__contains__(word) or isinstance(word, str) and super().__contains__(strip_accents(word))
 
 
 @functools.cache
@@ -191,15 +221,21 @@ def _make_person_recognizer(model_name: str) -> Any:
             if not self._may_have_name(text):
                 return []
             doc = self.nlp(text)
+            # an ORG entity that is exactly a given name + surname is the small model's mistake ("Customer
+            # record for Nadia Lindqvist: ..."); one that is longer holds the name (Soluciones Hidalgo S.L.)
             orgs = [(e.start_char, e.end_char) for e in doc.ents if e.label_ == "ORG"]
             spans = [self._person_span(doc, ent) for ent in doc.ents if ent.label_ == "PERSON"]
             # The small model misses many names in terse business text ("Contact: María García, +34 ...");
             # a known given name followed by a known surname is a name too (both from Faker's lists).
+            # A capitalised word that is not a common English word before a known surname is a given name the
+            # lists lack (Rahul Raman, Chinonso Okafor); it still needs a private context to be replaced.
+            common = common_words()
             spans += [(t.idx, nxt.idx + len(nxt.text)) for t, nxt in zip(doc, doc[1:], strict=False)
-                      if t.text in self.names and nxt.text in self.surnames and t.whitespace_ == " "
-                      and self._person_span(doc, doc[t.i:nxt.i + 1]) is not None]
+                      if nxt.text in self.surnames and t.whitespace_ == " "
+                      and (t.text in self.names or t.lower_ not in common and t.text.istitle())
+                      and self._person_span(doc, doc[t.i:nxt.i + 1], known_first=t.text in self.names) is not None]
             return [RecognizerResult("PERSON", start, end, 0.85) for start, end in sorted(set(filter(None, spans)))
-                    if not any(s < end and start < e for s, e in orgs)]
+                    if not any(s < end and start < e and (s, e) != (start, end) for s, e in orgs)]
 
         def _may_have_name(self, text: str) -> bool:
             """Cheap gate before the NER: a known given name that could pass _person_span's rules (most
@@ -212,9 +248,10 @@ def _make_person_recognizer(model_name: str) -> Any:
                 followed_by_name = re.match(r"[ \t]+[A-Z]", text[match.end():]) is not None
                 if followed_by_name or not line_start:
                     return True
-            return False
+            return any(m.group(2) in self.surnames and m.group(1).lower() not in common_words()
+                       for m in SURNAME_AFTER_WORD.finditer(text))
 
-        def _person_span(self, doc: Any, ent: Any) -> tuple[int, int] | None:
+        def _person_span(self, doc: Any, ent: Any, known_first: bool = True) -> tuple[int, int] | None:
             tokens = [t for t in ent if not t.is_space]
             while tokens and (tokens[0].lower_ in TITLES or tokens[0].lower_ in SALUTATIONS):
                 tokens = tokens[1:]
@@ -226,7 +263,7 @@ def _make_person_recognizer(model_name: str) -> Any:
                 word = t.text.replace("-", "").replace("'", "").rstrip(".")
                 if not word.isalpha() or not word[0].isupper() or (len(word) > 1 and word.isupper()):
                     return None  # digits, codes (JPY, x3), lower-case words: not a name
-            if tokens[0].text not in self.names:
+            if known_first and tokens[0].text not in self.names:
                 return None
             following = list(doc[ent.end:ent.end + 3])
             # "Smith & Sons Ltd", "Kowalski & Synowie": a legal form or company word in or just after the span
@@ -300,11 +337,30 @@ def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) ->
     ssn_in_context = PatternRecognizer(
         "US_SSN", name="LabelledSsnRecognizer",
         patterns=[Pattern("SSN after an SSN label", SSN_LABELLED, 0.9), Pattern("SSA sample SSN", SSN_FAMOUS, 0.9)])
+    # Presidio's own patterns, widened to the groupings people write (#28's benchmark): dots as well as
+    # spaces and dashes; Mastercard's 2-series; lower-case IBANs; DNI as 12.345.678-Z, NIE as X-1234567-L.
+    # The checksums (Luhn, ISO 7064, mod 23) still decide, after the same separators are removed.
+    separators = [("-", ""), (" ", ""), (".", "")]
+
+    class AnyCaseIbanRecognizer(IbanRecognizer):
+        """es91 2100 ... is the same account as ES91 2100 ...; Presidio's ISO 7064 check reads capitals only."""
+
+        def validate_result(self, pattern_text: str) -> bool | None:
+            return super().validate_result(pattern_text.upper())
+
     registry = RecognizerRegistry(supported_languages=["en"])
     recognizers = [
-        _make_email_recognizer(), GatedPhoneRecognizer(supported_regions=tuple(phone_regions)), IbanRecognizer(),
-        UsBankRecognizer(), CreditCardRecognizer(), IpRecognizer(), UsSsnRecognizer(), ssn_in_context,
-        EsNifRecognizer(supported_language="en"), EsNieRecognizer(supported_language="en"), UrlRecognizer(),
+        _make_email_recognizer(), GatedPhoneRecognizer(supported_regions=tuple(phone_regions)),
+        AnyCaseIbanRecognizer(patterns=[Pattern("IBAN (any grouping)", IBAN_PATTERN, 0.5)], replacement_pairs=separators,
+                              regex_flags=re.DOTALL | re.MULTILINE | re.IGNORECASE),
+        UsBankRecognizer(), CreditCardRecognizer(patterns=[Pattern("Credit card (any grouping)", CARD_PATTERN, 0.3)],
+                                                 replacement_pairs=separators),
+        IpRecognizer(), UsSsnRecognizer(), ssn_in_context,
+        EsNifRecognizer(supported_language="en", patterns=[Pattern("NIF (any grouping)", DNI_PATTERN, 0.5)],
+                        replacement_pairs=separators),
+        EsNieRecognizer(supported_language="en", patterns=[Pattern("NIE (any grouping)", NIE_PATTERN, 0.5)],
+                        replacement_pairs=separators),
+        UrlRecognizer(),
     ]
     if names:
         recognizers.append(_make_person_recognizer(ner_model))
@@ -363,13 +419,32 @@ def _phone_in_context(text: str, start: int, end: int) -> bool:
     return True
 
 
+def column_header(text: str, start: int) -> str:
+    """The header cell above text[start] when it sits in a markdown table row ("| Name | SSN |" ... "| Ana | 536221234 |"):
+    there the label of a value is its column's header, not the words before it."""
+    line_start = text.rfind("\n", 0, start) + 1
+    if not text[line_start:start].lstrip().startswith("|"):
+        return ""
+    column = text[line_start:start].count("|")
+    header = line_start
+    while header > 0:  # walk up to the first line of the table
+        previous = text.rfind("\n", 0, header - 1) + 1
+        if not text[previous:header].lstrip().startswith("|"):
+            break
+        header = previous
+    cells = text[header:text.find("\n", header) if "\n" in text[header:] else len(text)].split("|")
+    return cells[column] if column < len(cells) else ""
+
+
 def _keep(result: Any, text: str) -> bool:
-    """Our checks on Presidio's weaker findings (phones, bank account numbers)."""
+    """Our checks on Presidio's weaker findings (phones, bank account numbers, SSNs without separators)."""
     value = text[result.start:result.end]
     if result.entity_type == "PHONE_NUMBER":
         return _phone_shaped(value) and _phone_in_context(text, result.start, result.end)
     if result.entity_type == "US_BANK_NUMBER":
-        return bool(ACCOUNT_CONTEXT.search(text[:result.start]))
+        return bool(ACCOUNT_CONTEXT.search(text[:result.start]) or ACCOUNT_WORD.search(column_header(text, result.start)))
+    if result.entity_type == "US_SSN" and result.score < MIN_SCORE:
+        return bool(SSN_WORD.search(column_header(text, result.start)))
     if result.entity_type == "URL":
         return True  # decided by _url_with_credentials
     return result.score >= MIN_SCORE
@@ -379,6 +454,8 @@ def _private_context(text: str, finding: Finding, others: list[Finding]) -> bool
     """The name at finding identifies a private person (see PRIVATE_LABEL): a cue right before it, or other
     personal data close by, or an email address spelled from it."""
     if PRIVATE_LABEL.search(text[max(0, finding.start - 60):finding.start]):
+        return True
+    if NAME_HEADER.search(column_header(text, finding.start)):  # a table's "Name" / "Cliente" column
         return True
     if any(o.entity != "PERSON" and _same_clause(text, finding, o) for o in others):
         return True
