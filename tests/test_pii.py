@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 from stdnum import iban, luhn
@@ -308,3 +309,74 @@ def test_a_full_name_found_once_is_replaced_in_every_example(scrubber: Scrubber)
               {"role": "assistant", "content": json.dumps({"invoice_number": f"INV-{i:04d}"})}] for i in range(12)]
     out, _ = scrubber.scrub(convs)
     assert not any("Whitfield" in m["content"] for conv in out for m in conv)
+
+
+# --- #28: a fixed sample of the adversarial benchmark (bench/pii_planted.py) in the fast lane ----------------
+
+
+def bench_planted() -> Any:
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    return importlib.import_module("pii_planted")
+
+
+def planted_sample(step: int = 5) -> list:
+    """Every step-th record of the benchmark (seed 0): every class, most shapes, every context and language."""
+    return bench_planted().generate(seed=0)[::step]
+
+
+def test_benchmark_sample_structured_identifiers_all_replaced(scrubber: Scrubber) -> None:
+    bench = bench_planted()
+    plants = planted_sample()
+    STRUCTURED, score = bench.STRUCTURED, bench.score
+    scrubbed, _ = scrubber.scrub([p.conversation for p in plants])
+    s = score(plants, scrubbed)
+    assert {p.entity for p in plants} >= set(STRUCTURED)
+    for entity in STRUCTURED:
+        assert s.recall((entity,)) == 1.0, [(p.shape, p.context, v) for p, v in s.misses if v == p.value and p.entity == entity]
+    assert s.recall(("PERSON",)) >= 0.95, s.misses
+    assert s.broken == []  # every JSON answer and tool call still parses, identifiers keep their shape
+
+
+def test_no_planted_value_in_any_prepared_file(tmp_path) -> None:
+    """A real prepare run (default scrubbing) on the sample, with invalid records skipped into rejected.jsonl:
+    no original value in any byte of any file under data/prepared/ (splits, reports, rejected, plot)."""
+    from reprotune.config import compose
+    from reprotune.prepare import prepare
+    from tests.conftest import write_jsonl
+
+    plants = planted_sample(step=7)
+    rows = [{"messages": p.conversation, **({"tools": p.tools} if p.tools else {})} for p in plants]
+    # invalid records holding PII too: their rejection reason must not quote it
+    bad = [{"messages": [{"role": "bot", "content": p.conversation[0]["content"]}]} for p in plants[:20]]
+    bad += [{"messages": p.conversation[:1]} for p in plants[20:40]]
+    write_jsonl(tmp_path / "data/raw/invoices.jsonl", rows + bad)
+    cfg = compose([f"paths.root={tmp_path}", "model=tiny_random", "data.on_invalid=skip", "data.max_length=2048",
+                   "model.chat_template=conf/chat_templates/qwen2_5_tools.jinja",
+                   "model.training_chat_template=conf/chat_templates/qwen2_5_tools_training.jinja"])
+    prepare(cfg)
+    out = tmp_path / "data/prepared"
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert {"train.jsonl", "holdout.jsonl", "rejected.jsonl", "report.json", "pii_report.json",
+            "lengths.png"} <= {f.name for f in files}
+    assert (out / "rejected.jsonl").read_text().count("\n") == 40
+    blobs = {f.name: f.read_bytes() for f in files}
+    values = {(p.entity, p.value) for p in plants} | {("PERSON", p.name) for p in plants if p.name}
+    leaks = []
+    for entity, value in sorted(values):
+        spellings = {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
+        for name, blob in blobs.items():
+            if any(s.encode() in blob for s in spellings):
+                leaks.append((name, entity, value))
+    # identifiers: none anywhere; names: the misses the benchmark allows (>= 95% recall), only in the splits
+    assert [leak for leak in leaks if leak[1] != "PERSON" and leak[2] not in names_of(plants)] == []
+    assert {leak[0] for leak in leaks} <= {"train.jsonl", "holdout.jsonl"}, leaks
+    planted_names = [p.name for p in plants if p.name]
+    assert sum(name in {leak[2] for leak in leaks} for name in planted_names) <= 0.05 * len(planted_names), leaks
+
+
+def names_of(plants: list) -> set[str]:
+    return {p.name for p in plants if p.name}
