@@ -380,3 +380,32 @@ def test_no_planted_value_in_any_prepared_file(tmp_path) -> None:
 
 def names_of(plants: list) -> set[str]:
     return {p.name for p in plants if p.name}
+
+
+# --- #22: texts longer than spaCy's 1,000,000-character limit --------------------------------------------------
+
+
+def test_text_chunks_overlap_at_word_boundaries() -> None:
+    from reprotune.pii import text_chunks
+
+    text = " ".join(f"w{i:05d}" for i in range(50_000))  # 350,000 characters
+    chunks = text_chunks(text, size=10_000, overlap=200)
+    assert chunks[0][0] == 0 and chunks[-1][0] + len(chunks[-1][1]) == len(text)
+    for (start, chunk), (nxt, _) in zip(chunks, chunks[1:], strict=False):
+        assert len(chunk) <= 10_000 and text[start:start + len(chunk)] == chunk
+        assert nxt < start + len(chunk) - 150  # they overlap
+        assert text[nxt - 1] == " " and (start + len(chunk) == len(text) or text[start + len(chunk)] == " ")
+
+
+def test_names_found_in_a_text_over_the_ner_limit_even_on_a_chunk_edge(scrubber: Scrubber) -> None:
+    from reprotune.pii import NER_CHUNK
+
+    filler = "The shipment left the warehouse on time and arrived in good order. "
+    head = filler * (NER_CHUNK // len(filler))  # the first name straddles the first chunk's end
+    text = (head[:NER_CHUNK - 12] + " Contact: Karen Whitfield, +34 612 345 678. " + filler * 16_000
+            + "Best regards,\nLeonardo Rossi")
+    assert len(text) > 1_000_000
+    (conv,), report = scrubber.scrub([[{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]])
+    out = conv[0]["content"]
+    assert "Whitfield" not in out and "Rossi" not in out and "612 345 678" not in out
+    assert report.values["PERSON"] == 2 and len(out) > 1_000_000

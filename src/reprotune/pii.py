@@ -196,6 +196,29 @@ def _load_ner(model_name: str) -> Any:
     return nlp
 
 
+NER_CHUNK = 100_000  # characters per NER call: spaCy refuses texts over 1,000,000 ([E088]), and its memory grows with the text
+NER_OVERLAP = 1_000  # characters two chunks share, so a name on a chunk edge is whole in one of them
+
+
+def text_chunks(text: str, size: int = NER_CHUNK, overlap: int = NER_OVERLAP) -> list[tuple[int, str]]:
+    """(offset, chunk) pieces of text of at most `size` characters that overlap by about `overlap`, cut at
+    whitespace where there is some (a name is never cut in the chunk that holds it whole)."""
+    if len(text) <= size:
+        return [(0, text)]
+    chunks, start = [], 0
+    while True:
+        end = min(start + size, len(text))
+        if end < len(text):
+            cut = max(text.rfind(" ", start + overlap, end), text.rfind("\n", start + overlap, end))
+            end = cut if cut > start + overlap else end
+        chunks.append((start, text[start:end]))
+        if end >= len(text):
+            return chunks
+        nxt = end - overlap
+        space = max(text.rfind(" ", start + 1, nxt), text.rfind("\n", start + 1, nxt))
+        start = space + 1 if space > start else nxt
+
+
 def _make_person_recognizer(model_name: str) -> Any:
     from presidio_analyzer import LocalRecognizer, RecognizerResult
 
@@ -220,6 +243,13 @@ def _make_person_recognizer(model_name: str) -> Any:
         def analyze(self, text: str, entities: list[str], nlp_artifacts: Any = None) -> list:
             if not self._may_have_name(text):
                 return []
+            spans: set[tuple[int, int]] = set()
+            for offset, chunk in text_chunks(text):
+                if offset == 0 and len(chunk) == len(text) or self._may_have_name(chunk):  # the gate per chunk
+                    spans |= {(start + offset, end + offset) for start, end in self._names_in(chunk)}
+            return [RecognizerResult("PERSON", start, end, 0.85) for start, end in sorted(spans)]
+
+        def _names_in(self, text: str) -> list[tuple[int, int]]:
             doc = self.nlp(text)
             # an ORG entity that is exactly a given name + surname is the small model's mistake ("Customer
             # record for Nadia Lindqvist: ..."); one that is longer holds the name (Soluciones Hidalgo S.L.)
@@ -234,7 +264,7 @@ def _make_person_recognizer(model_name: str) -> Any:
                       if nxt.text in self.surnames and t.whitespace_ == " "
                       and (t.text in self.names or t.lower_ not in common and t.text.istitle())
                       and self._person_span(doc, doc[t.i:nxt.i + 1], known_first=t.text in self.names) is not None]
-            return [RecognizerResult("PERSON", start, end, 0.85) for start, end in sorted(set(filter(None, spans)))
+            return [(start, end) for start, end in sorted(set(filter(None, spans)))
                     if not any(s < end and start < e and (s, e) != (start, end) for s, e in orgs)]
 
         def _may_have_name(self, text: str) -> bool:
