@@ -409,3 +409,16 @@ def test_names_found_in_a_text_over_the_ner_limit_even_on_a_chunk_edge(scrubber:
     out = conv[0]["content"]
     assert "Whitfield" not in out and "Rossi" not in out and "612 345 678" not in out
     assert report.values["PERSON"] == 2 and len(out) > 1_000_000
+
+
+@pytest.mark.parametrize("text, name", [("Saludos,\nLars Whitfield", "Lars Whitfield"),
+                                        ("Paciente: Elena Ricci\nMotivo: revisión", "Elena Ricci"),
+                                        ("Escribe una nota para mi vecina Lucía Muñoz sobre el ruido.", "Lucía Muñoz"),
+                                        ("Estimado Iñaki Mehta, le escribimos por su pedido.", "Iñaki Mehta")])
+def test_spanish_cues(scrubber: Scrubber, text: str, name: str) -> None:
+    assert name.split()[-1] not in one(scrubber, text)[0]
+
+
+def test_spanish_public_names_are_kept(scrubber: Scrubber) -> None:
+    text = "Gabriel García Márquez escribió Cien años de soledad; Frida Kahlo pintó en Coyoacán."
+    assert one(scrubber, text) == [text]

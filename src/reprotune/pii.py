@@ -77,17 +77,22 @@ PRIVATE_LABEL = re.compile(
     r"(?:\b(?:name|full name|contact|customer|client|patient|employee|applicant|tenant|landlord|recipient|sender|"
     r"attn|passenger|holder|account holder|beneficiary|emergency contact|signed|nombre|nom|"
     r"signature|reported by|assigned to|requested by|submitted by|approved by|prepared by|bill to|ship to|sold to|"
-    r"contact person|customer name|payee|caller|candidate|witness)\s*[:=]\s*"
+    r"contact person|customer name|payee|caller|candidate|witness|"
+    r"paciente|cliente|titular|inquilin[oa]|contacto|destinatari[oa]|remitente|emplead[oa]|solicitante|"
+    r"beneficiari[oa]|pasajer[oa]|firmado|atenci[oó]n)\s*[:=]\s*"
     r"|\b(?:my name is|my name's|me llamo|je m'appelle|ich heiße|nombre|i am|i'm|call me|dear|hi|hello|hey|"
     r"attn\.?|c/o|mr\.?|mrs\.?|"
     r"ms\.?|miss|mx\.?|forward (?:this|it) to|send (?:this|it) to|email|e-mail|ping|cc'?d?|contact|reach out to|"
-    r"spoke (?:to|with)|talked (?:to|with)|met with|(?:regards|sincerely|thanks|thank you|cheers|best|yours(?: truly)?),?"
+    r"spoke (?:to|with)|talked (?:to|with)|met with|estimad[oa]|querid[oa]|reenv[ií]a(?:lo|la)? a|"
+    r"(?:regards|sincerely|thanks|thank you|cheers|best|yours(?: truly)?|saludos|un saludo|atentamente|gracias),?"
     r"\s*\n?)\s*"
     r"|\bmy (?:wife|husband|partner|son|daughter|mother|father|mom|mum|dad|brother|sister|friend|best friend|"
     r"neighbou?r|boss|manager|supervisor|colleague|coworker|co-worker|roommate|flatmate|landlord|landlady|tenant|"
     r"boyfriend|girlfriend|fianc[eé]e?|cousin|aunt|uncle|grandmother|grandfather|grandma|grandpa|nephew|niece|"
     r"doctor|therapist|teacher|student|client|customer|employee|assistant|kid|child|baby|ex|classmate|"
-    r"stepson|stepdaughter|in-law|mother-in-law|father-in-law),?\s+)$",
+    r"stepson|stepdaughter|in-law|mother-in-law|father-in-law),?\s+"
+    r"|\bmi (?:vecin[oa]|herman[oa]|jef[ea]|madre|padre|amig[oa]|espos[oa]|mujer|marido|novi[oa]|hij[oa]|"
+    r"prim[oa]|t[ií][oa]|abuel[oa]|compañer[oa]|casero|casera|m[eé]dic[oa]|cliente),?\s+)$",
     re.IGNORECASE)
 SURNAME_AFTER_WORD = re.compile(r"\b([A-Z][^\W\d_]+)[ ]([A-Z][^\W\d_]+)\b")
 NAME_HEADER = re.compile(r"\b(?:name|nombre|customer|cliente|contact|contacto|patient|paciente|employee|empleado|"
