@@ -330,7 +330,10 @@ def planted_sample(step: int = 5) -> list:
 
 def test_benchmark_sample_structured_identifiers_all_replaced(scrubber: Scrubber) -> None:
     bench = bench_planted()
-    plants = planted_sample()
+    full = bench.generate(seed=0)
+    assert len(full) >= 1000 and [p.conversation for p in full] == [p.conversation for p in bench.generate(seed=0)]
+    assert {(p.context, p.lang) for p in full} == {(c, lang) for c in bench.CONTEXTS for lang in bench.LANGS}
+    plants = full[::5]
     STRUCTURED, score = bench.STRUCTURED, bench.score
     scrubbed, _ = scrubber.scrub([p.conversation for p in plants])
     s = score(plants, scrubbed)
