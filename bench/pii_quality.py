@@ -12,7 +12,8 @@ reprotune.pii.Scrubber and prints:
 - precision of name replacements: every distinct replaced name, labelled by hand in
   bench/pii_name_labels.json as a private person or not (planted names are private by construction);
   replacements without a label are listed with --show-unlabelled (label them before trusting the number);
-- scrubbing time per 1,000 records on this machine.
+- scrubbing time per 1,000 records on this machine;
+- the adversarial planted benchmark of bench/pii_planted.py: recall per class, shape, context and language.
 
 Prints to the terminal only (the originals of real data are public, the planted ones fake).
 """
@@ -206,6 +207,13 @@ def main() -> None:
     print(f"\nScrubbing: {len(conversations)} records in {seconds:.1f} s = {1000 * seconds / len(conversations):.1f} s "
           f"per 1,000 records (this machine, spaCy NER + Presidio; model load excluded); "
           f"{report.as_dict()['total_replacements']} replacements")
+
+    # the adversarial planted corpus (#28): every class x shape x context x language, one value per record
+    import pii_planted
+
+    print()
+    plants, score, seconds = pii_planted.run(args.seed, scrubber)
+    pii_planted.print_report(plants, score, seconds, show_misses=20)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 from stdnum import iban, luhn
@@ -271,3 +272,156 @@ def test_tool_call_arguments_are_scrubbed_like_text(scrubber: Scrubber) -> None:
     (out,), _ = scrubber.scrub([conv])
     fake = json.loads(out[1]["tool_calls"][0]["function"]["arguments"])["to"]
     assert fake != "jane.doe@acme-corp.com" and out[0]["content"] == f"Email {fake} please"
+
+
+# --- #28: the leaks an independent planted corpus found ------------------------------------------------------
+
+
+@pytest.mark.parametrize("email", ["ops@10-1-2-3.example.org", "ops@192-168-10-23.acme-corp.com",
+                                   "admin@ip-10-1-2-3.ec2.internal", "root@[10.1.2.3]", '"jane roe"@acme-corp.com',
+                                   "billing@mail.corp.local"])
+def test_emails_at_ip_private_or_quoted_hosts_are_replaced(scrubber: Scrubber, email: str) -> None:
+    answer = json.dumps({"email": email, "total": 12.5})
+    new_user, new_answer = one(scrubber, f"Invoice for Karen Whitfield, email {email}. Total 12.50 USD.", answer)
+    assert email not in new_user and email not in new_answer and json.dumps(email)[1:-1] not in new_answer
+    assert json.loads(new_answer)["total"] == 12.5 and json.loads(new_answer)["email"] in new_user
+
+
+@pytest.mark.parametrize("text, ssn", [("Customer Karen Whitfield. SSN on file 078-05-1120.", "078-05-1120"),
+                                       ("SSN on file for the tenant: 219 09 9999", "219 09 9999"),
+                                       ("Social Security Number (verified) 536221234", "536221234"),
+                                       ("número de la seguridad social 536-22-1234", "536-22-1234"),
+                                       ("Wallet card sample 078-05-1120 was used by thousands.", "078-05-1120")])
+def test_ssn_with_words_after_the_label_or_famous_is_replaced(scrubber: Scrubber, text: str, ssn: str) -> None:
+    out = one(scrubber, text)[0]
+    assert ssn not in out
+    assert re.sub(r"\d", "#", out) == re.sub(r"\d", "#", text)  # same shape: digits for digits
+
+
+def test_a_number_in_ssn_shape_without_a_label_stays(scrubber: Scrubber) -> None:
+    text = "Order 123-45-6789 shipped; part 536221234 in stock."
+    assert one(scrubber, text) == [text]
+
+
+def test_a_full_name_found_once_is_replaced_in_every_example(scrubber: Scrubber) -> None:
+    """NER finds a name in one sentence and misses it in an almost identical one: the name still goes."""
+    convs = [[{"role": "user", "content": f"Invoice INV-{i:04d} for Karen Whitfield, card 4111 1111 1111 1111."},
+              {"role": "assistant", "content": json.dumps({"invoice_number": f"INV-{i:04d}"})}] for i in range(12)]
+    out, _ = scrubber.scrub(convs)
+    assert not any("Whitfield" in m["content"] for conv in out for m in conv)
+
+
+# --- #28: a fixed sample of the adversarial benchmark (bench/pii_planted.py) in the fast lane ----------------
+
+
+def bench_planted() -> Any:
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    return importlib.import_module("pii_planted")
+
+
+def planted_sample(step: int = 5) -> list:
+    """Every step-th record of the benchmark (seed 0): every class, most shapes, every context and language."""
+    return bench_planted().generate(seed=0)[::step]
+
+
+def test_benchmark_sample_structured_identifiers_all_replaced(scrubber: Scrubber) -> None:
+    bench = bench_planted()
+    full = bench.generate(seed=0)
+    assert len(full) >= 1000 and [p.conversation for p in full] == [p.conversation for p in bench.generate(seed=0)]
+    assert {(p.context, p.lang) for p in full} == {(c, lang) for c in bench.CONTEXTS for lang in bench.LANGS}
+    plants = full[::5]
+    STRUCTURED, score = bench.STRUCTURED, bench.score
+    scrubbed, _ = scrubber.scrub([p.conversation for p in plants])
+    s = score(plants, scrubbed)
+    assert {p.entity for p in plants} >= set(STRUCTURED)
+    for entity in STRUCTURED:
+        assert s.recall((entity,)) == 1.0, [(p.shape, p.context, v) for p, v in s.misses if v == p.value and p.entity == entity]
+    assert s.recall(("PERSON",)) >= 0.95, s.misses
+    assert s.broken == []  # every JSON answer and tool call still parses, identifiers keep their shape
+
+
+def test_no_planted_value_in_any_prepared_file(tmp_path) -> None:
+    """A real prepare run (default scrubbing) on the sample, with invalid records skipped into rejected.jsonl:
+    no original value in any byte of any file under data/prepared/ (splits, reports, rejected, plot)."""
+    from reprotune.config import compose
+    from reprotune.prepare import prepare
+    from tests.conftest import write_jsonl
+
+    plants = planted_sample(step=7)
+    rows = [{"messages": p.conversation, **({"tools": p.tools} if p.tools else {})} for p in plants]
+    # invalid records holding PII too: their rejection reason must not quote it
+    bad = [{"messages": [{"role": "bot", "content": p.conversation[0]["content"]}]} for p in plants[:20]]
+    bad += [{"messages": p.conversation[:1]} for p in plants[20:40]]
+    write_jsonl(tmp_path / "data/raw/invoices.jsonl", rows + bad)
+    cfg = compose([f"paths.root={tmp_path}", "model=tiny_random", "data.on_invalid=skip", "data.max_length=2048",
+                   "model.chat_template=conf/chat_templates/qwen2_5_tools.jinja",
+                   "model.training_chat_template=conf/chat_templates/qwen2_5_tools_training.jinja"])
+    prepare(cfg)
+    out = tmp_path / "data/prepared"
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert {"train.jsonl", "holdout.jsonl", "rejected.jsonl", "report.json", "pii_report.json",
+            "lengths.png"} <= {f.name for f in files}
+    assert (out / "rejected.jsonl").read_text().count("\n") == 40
+    blobs = {f.name: f.read_bytes() for f in files}
+    values = {(p.entity, p.value) for p in plants} | {("PERSON", p.name) for p in plants if p.name}
+    leaks = []
+    for entity, value in sorted(values):
+        spellings = {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
+        for name, blob in blobs.items():
+            if any(s.encode() in blob for s in spellings):
+                leaks.append((name, entity, value))
+    # identifiers: none anywhere; names: the misses the benchmark allows (>= 95% recall), only in the splits
+    assert [leak for leak in leaks if leak[1] != "PERSON" and leak[2] not in names_of(plants)] == []
+    assert {leak[0] for leak in leaks} <= {"train.jsonl", "holdout.jsonl"}, leaks
+    planted_names = [p.name for p in plants if p.name]
+    assert sum(name in {leak[2] for leak in leaks} for name in planted_names) <= 0.05 * len(planted_names), leaks
+
+
+def names_of(plants: list) -> set[str]:
+    return {p.name for p in plants if p.name}
+
+
+# --- #22: texts longer than spaCy's 1,000,000-character limit --------------------------------------------------
+
+
+def test_text_chunks_overlap_at_word_boundaries() -> None:
+    from reprotune.pii import text_chunks
+
+    text = " ".join(f"w{i:05d}" for i in range(50_000))  # 350,000 characters
+    chunks = text_chunks(text, size=10_000, overlap=200)
+    assert chunks[0][0] == 0 and chunks[-1][0] + len(chunks[-1][1]) == len(text)
+    for (start, chunk), (nxt, _) in zip(chunks, chunks[1:], strict=False):
+        assert len(chunk) <= 10_000 and text[start:start + len(chunk)] == chunk
+        assert nxt < start + len(chunk) - 150  # they overlap
+        assert text[nxt - 1] == " " and (start + len(chunk) == len(text) or text[start + len(chunk)] == " ")
+
+
+def test_names_found_in_a_text_over_the_ner_limit_even_on_a_chunk_edge(scrubber: Scrubber) -> None:
+    from reprotune.pii import NER_CHUNK
+
+    filler = "The shipment left the warehouse on time and arrived in good order. "
+    head = filler * (NER_CHUNK // len(filler))  # the first name straddles the first chunk's end
+    text = (head[:NER_CHUNK - 12] + " Contact: Karen Whitfield, +34 612 345 678. " + filler * 16_000
+            + "Best regards,\nLeonardo Rossi")
+    assert len(text) > 1_000_000
+    (conv,), report = scrubber.scrub([[{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]])
+    out = conv[0]["content"]
+    assert "Whitfield" not in out and "Rossi" not in out and "612 345 678" not in out
+    assert report.values["PERSON"] == 2 and len(out) > 1_000_000
+
+
+@pytest.mark.parametrize("text, name", [("Saludos,\nLars Whitfield", "Lars Whitfield"),
+                                        ("Paciente: Elena Ricci\nMotivo: revisión", "Elena Ricci"),
+                                        ("Escribe una nota para mi vecina Lucía Muñoz sobre el ruido.", "Lucía Muñoz"),
+                                        ("Estimado Iñaki Mehta, le escribimos por su pedido.", "Iñaki Mehta")])
+def test_spanish_cues(scrubber: Scrubber, text: str, name: str) -> None:
+    assert name.split()[-1] not in one(scrubber, text)[0]
+
+
+def test_spanish_public_names_are_kept(scrubber: Scrubber) -> None:
+    text = "Gabriel García Márquez escribió Cien años de soledad; Frida Kahlo pintó en Coyoacán."
+    assert one(scrubber, text) == [text]
