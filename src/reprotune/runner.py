@@ -75,14 +75,12 @@ def checkout_lock(command: str, lock: Path = LOCK) -> Iterator[IO[str]]:
 
 # --------------------------------------------------------------------------------------------- the outputs
 def stage_outputs(stage: str) -> list[str]:
-    """Outputs of <stage> and of every stage before it ('all': every stage), as dvc.yaml lists them."""
+    """Outputs of <stage> ('all': of every stage), as dvc.yaml lists them."""
     import yaml
 
     stages = yaml.safe_load(DVC_YAML.read_text())["stages"]
-    names = list(stages)
-    upto = names if stage == "all" else names[: names.index(stage) + 1]
     found = []
-    for name in upto:
+    for name in stages if stage == "all" else [stage]:
         for kind in ("outs", "metrics", "plots"):
             for item in stages[name].get(kind, []):
                 found.append(next(iter(item)) if isinstance(item, dict) else item)
@@ -91,12 +89,30 @@ def stage_outputs(stage: str) -> list[str]:
 
 def kept_line(stage: str, how: str) -> str:
     present = [p for p in stage_outputs(stage) if Path(p).exists()]
-    kept = ", ".join(present) if present else "none existed"
-    return (f"make {stage}: {how}; the previous outputs are kept as they were ({kept}); "
-            f"dvc.lock still describes them")
+    whose = "every stage" if stage == "all" else f"{stage} and the stages before it"
+    kept = f" ({', '.join(present)})" if present else " (none existed yet)"
+    return f"make {stage}: {how}; the previous outputs of {whose} are kept as they were{kept}, as dvc.lock records them"
 
 
 # ------------------------------------------------------------------------------------------- dvc, guarded
+def group_members(pgid: int) -> list[int]:
+    """Processes of a process group (Linux /proc; elsewhere just the group leader)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return [pgid]
+    for entry in filter(str.isdigit, entries):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            found.append(int(entry))
+    return found
+
+
 class Forwarder:
     """Signals to this process go to dvc's process group; the first one also starts the grace timer."""
 
@@ -108,8 +124,12 @@ class Forwarder:
     def __call__(self, signum: int, _frame: object) -> None:
         self.signum = self.signum or signum
         self.deadline = self.deadline or time.monotonic() + GRACE_S
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.child.pid, signal.SIGTERM)
+        # the stage (and its workers) first: dvc then sees its command fail and exits the normal way, releasing
+        # its own locks and leaving dvc.lock as it was; dvc itself only when no command of it runs right now
+        members = [pid for pid in group_members(self.child.pid) if pid != self.child.pid]
+        for pid in members or [self.child.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
     def wait(self) -> int:
         while True:
