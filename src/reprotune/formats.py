@@ -135,6 +135,9 @@ def _decode(path: Path, problems: _Problems) -> str | None:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+TOO_DEEP = "nested too deeply to parse (arrays/objects more than about 1,000 levels deep); flatten the record"
+
+
 def _iter_jsonl(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -143,6 +146,8 @@ def _iter_jsonl(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
             yield number, json.loads(line)
         except json.JSONDecodeError as err:
             problems.add(number, "json", f"invalid JSON: {err.msg} at column {err.colno}")
+        except RecursionError:  # the C decoder gives up past the interpreter's recursion limit
+            problems.add(number, "json", TOO_DEEP)
 
 
 def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
@@ -151,6 +156,9 @@ def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]
         document = json.loads(text)
     except json.JSONDecodeError as err:
         problems.add(err.lineno, "json", f"invalid JSON: {err.msg} at column {err.colno}", record=False)
+        return
+    except RecursionError:
+        problems.add(1, "json", TOO_DEEP, record=False)
         return
     if not isinstance(document, list):
         problems.add(1, "(top level)", f"expected a JSON array of examples, got {_type_name(document)}", record=False)

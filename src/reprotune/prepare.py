@@ -353,6 +353,10 @@ def prepare(cfg: DictConfig) -> dict:
     rejected = [{**r, "file": relative(r["file"], root)} for f in files for r in f.rejected]
     if data.scrub:  # a reason may quote a value from the record (an unknown role): never with scrubbing on
         rejected = [{**r, "reason": QUOTED.sub('"…"', r["reason"])} for r in rejected]
+    if not records:  # every record skipped (or none there): nothing to split, scrub or measure
+        first = f"; the first: {rejected[0]['file']}:{rejected[0]['line']}: {rejected[0]['reason']}" if rejected else ""
+        raise ReprotuneError(f"{data.path}:0: data: no valid examples left ({len(rejected)} skipped with "
+                             f"data.on_invalid=skip){first}")
     if rejected:
         log.warning("skipped %d invalid record(s) (data.on_invalid=skip): see %s", len(rejected),
                     out / "rejected.jsonl")
