@@ -47,6 +47,13 @@ def test_a_setting_mistake_is_one_line_naming_the_key(override: str, expected: s
     assert re.search(expected, err.value.problems[0]), err.value.problems[0]
 
 
+def test_a_key_set_twice_is_checked_by_its_last_value() -> None:
+    compose_checked(["model=tiny_random", "train.max_steps=abc", "train.max_steps=3"])
+    with pytest.raises(ReprotuneError) as err:
+        compose_checked(["model=tiny_random", "train.max_steps=3", "train.max_steps=abc"])
+    assert err.value.problems == ["train.max_steps: expected an integer, got 'abc'"]
+
+
 def test_the_real_config_keys_are_not_taken_for_credentials() -> None:
     """`*key*`/`*token*` substrings in real keys (max_new_tokens, num_key_value_heads, api_key_env) pass."""
     compose_checked(["model=tiny_random", "eval.baseline.api_key_env=MY_KEY", "train.learning_rate=1"])
@@ -217,7 +224,8 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def dvc_status(root: Path, env: dict) -> str:
-    return subprocess.run([str(VENV / "bin/dvc"), "status"], cwd=root, env=env, capture_output=True, text=True,
+    """`dvc status` of the stages this module runs (eval, merge, gguf never ran in the copy)."""
+    return subprocess.run([str(VENV / "bin/dvc"), "status", "prepare", "train"], cwd=root, env=env, capture_output=True, text=True,
                           check=True).stdout
 
 
@@ -351,3 +359,4 @@ def test_sigkill_to_the_whole_process_group_keeps_the_outputs(trained: tuple[Pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Running stage" not in again.stdout + again.stderr
     assert outputs_sha(root) == sha
+    assert "up to date" in dvc_status(root, env)

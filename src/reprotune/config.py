@@ -120,10 +120,8 @@ def type_problems(overrides: list[str], base: dict, composed: dict) -> list[str]
     """An override whose value has another type than the key's default (train.max_steps=abc): named with the
     expected type here, instead of a TypeError deep inside the stage."""
     problems = []
-    for item in overrides:
-        if item.startswith(("+", "~")) or "=" not in item:
-            continue
-        key, _, raw = item.partition("=")
+    last = dict(item.partition("=")[::2] for item in overrides if "=" in item and not item.startswith(("+", "~")))
+    for key, raw in last.items():  # a key set twice: Hydra keeps the last value, and so is it checked
         found, default = _lookup(base, key)
         found_new, value = _lookup(composed, key)
         if not (found and found_new) or default is None or value is None or type(default) not in TYPE_NAMES:

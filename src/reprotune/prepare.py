@@ -91,10 +91,19 @@ def load_tokenizer(cfg: DictConfig) -> Any:
     return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
 
 
+# conversations rendered and tokenized at a time: the fast tokenizer keeps an Encoding (ids, offsets, masks)
+# per text of a batch, so one batch of the whole dataset cost ~5 kB per example (525 MB at 100k short lines)
+LENGTH_BATCH = 1024
+
+
 def token_lengths(tokenizer: Any, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[int]:
     tools = tools or [None] * len(conversations)
-    texts = [tokenizer.apply_chat_template(c, tools=t, tokenize=False) for c, t in zip(conversations, tools, strict=True)]
-    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    lengths: list[int] = []
+    for start in range(0, len(conversations), LENGTH_BATCH):
+        texts = [tokenizer.apply_chat_template(c, tools=t, tokenize=False) for c, t in
+                 zip(conversations[start:start + LENGTH_BATCH], tools[start:start + LENGTH_BATCH], strict=True)]
+        lengths += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return lengths
 
 
 def truncate_last_reply(tokenizer: Any, messages: list[dict], max_length: int,
