@@ -108,6 +108,31 @@ def test_nothing_valid_left_after_skip_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "data/prepared").exists()
 
 
+DISK_FULL = textwrap.dedent("""
+    from pathlib import Path
+    from reprotune.errors import user_errors
+
+    def save(path):
+        with open(path, "wb", buffering=0) as fh:  # /dev/full: every write fails with ENOSPC
+            fh.write(b"weights" * 1000)
+
+    with user_errors():
+        save(Path("/dev/full"))
+""")
+
+
+def test_disk_full_is_one_line_naming_the_path() -> None:
+    proc = subprocess.run([PY, "-c", DISK_FULL], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"/dev/full: disk full \(os error 28\): [\d,]+ bytes free there; free "
+                                            r"some space and run again \(the previous outputs are kept\)",
+                                            lines[0]), proc.stderr
+    debug = subprocess.run([PY, "-c", DISK_FULL], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REPROTUNE_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "No space left on device" in debug.stderr
+
+
 # ---------------------------------------------------------------------------------------- lock and death
 HOLD_LOCK = textwrap.dedent("""
     import sys, time

@@ -56,19 +56,39 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def disk_full_line(err: OSError) -> str:
-    """ENOSPC as one line: which path, how much space is left there, how much the write needed if known."""
-    where = err.filename or getattr(err, "reprotune_path", None) or "."
-    probe = os.path.dirname(os.path.abspath(str(where))) or "."
-    while probe and not os.path.exists(probe):
+def _free_bytes(path: str) -> int:
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
         probe = os.path.dirname(probe)
     try:
-        free = os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
+        st = os.statvfs(probe)
     except OSError:
-        free = -1
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def _paths_in_traceback(err: BaseException) -> list[str]:
+    """File paths the failing frames held (a library's Rust error, safetensors' 'os error 28', names none)."""
+    found = []
+    tb = err.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, os.PathLike) or (isinstance(value, str) and value.startswith("/")
+                                                  and len(value) < 4096 and "\n" not in value):
+                found.append(os.fspath(value))
+        tb = tb.tb_next
+    return found
+
+
+def disk_full_line(err: BaseException) -> str:
+    """ENOSPC as one line: which path (the one on the fullest filesystem among those the write touched), the
+    bytes left there, and the bytes the write needed where the caller knows them."""
+    candidates = [str(err.filename)] if isinstance(err, OSError) and err.filename else []
+    candidates += _paths_in_traceback(err) or ["."]
+    where = min(reversed(candidates), key=_free_bytes)  # the innermost of the fullest
     needed = getattr(err, "reprotune_bytes", None)
-    need = f"; the write needed {needed:,} bytes" if needed else ""
-    return (f"{where}: disk full (os error 28): {free:,} bytes free on that filesystem{need}; "
+    need = f", the write needed {needed:,}" if needed else ""
+    return (f"{where}: disk full (os error 28): {_free_bytes(where):,} bytes free there{need}; "
             f"free some space and run again (the previous outputs are kept)")
 
 
@@ -108,6 +128,5 @@ def user_errors(summary: str | None = None) -> Iterator[None]:
     except Exception as err:
         if debug() or not _is_disk_full(err):
             raise
-        inner = err if isinstance(err, OSError) else OSError(errno.ENOSPC, str(err))
-        print(disk_full_line(inner), file=sys.stderr)
+        print(disk_full_line(err), file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
