@@ -10,6 +10,7 @@ are unchanged afterwards, `dvc status` tells the truth, and the error is one lin
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -131,6 +132,40 @@ def test_disk_full_is_one_line_naming_the_path() -> None:
     debug = subprocess.run([PY, "-c", DISK_FULL], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "REPROTUNE_DEBUG": "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "No space left on device" in debug.stderr
+
+
+PEAK = textwrap.dedent("""
+    import resource, subprocess, sys
+    subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+    print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB, of the one child this process had
+""")
+
+
+def peak_mib(cmd: list[str]) -> float:
+    """Peak resident memory of a command, in MiB (measured by a fresh parent, so no earlier child counts)."""
+    out = subprocess.run([PY, "-c", PEAK, *cmd], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split()[-1]) / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["drop", "truncate"])
+def test_a_50_mb_reply_prepares_in_bounded_memory(tmp_path: Path, policy: str) -> None:
+    """The cheap character check: a 50 MB reply is never tokenized whole (before: 6.6 GB peak, 77 s)."""
+    data = tmp_path / "huge.jsonl"
+    with open(data, "w") as fh:
+        fh.write(json.dumps({"messages": [{"role": "user", "content": "Summarise"},
+                                          {"role": "assistant", "content": "word " * 10_000_000}]}) + "\n")
+        fh.write(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "hello"}]}) + "\n")
+    peak = peak_mib([PY, "-m", "reprotune.prepare", f"paths.root={tmp_path}", "model=tiny_random",
+                     f"data.path={data}", "data.scrub=false", f"data.overlong={policy}"])
+    print(f"\n50 MB reply, overlong={policy}: peak {peak:.0f} MiB")
+    assert peak < 1024
+    rows = [json.loads(line) for line in (tmp_path / "data/prepared/train.jsonl").read_text().splitlines()]
+    assert len(rows) == (2 if policy == "truncate" else 1)
+    if policy == "truncate":
+        assert max(len(r["messages"][-1]["content"]) for r in rows) < 10_000
 
 
 # ---------------------------------------------------------------------------------------- lock and death
