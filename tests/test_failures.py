@@ -420,3 +420,29 @@ def test_sigkill_to_the_whole_process_group_keeps_the_outputs(trained: tuple[Pat
     assert "Running stage" not in again.stdout + again.stderr
     assert outputs_sha(root) == sha
     assert "up to date" in dvc_status(root, env)
+
+
+@pytest.mark.slow
+def test_a_refused_merge_keeps_the_previous_merged_model(trained: tuple[Path, dict, dict[str, str]]) -> None:
+    """merge refuses at its very end (after building the new model aside): the previous one stays."""
+    root, env, _ = trained
+    merge_args = [*TINY, "export.merge.prompts=2"]
+    good = make(root, env, "merge", merge_args)
+    assert good.returncode == 0, good.stderr[-3000:]
+
+    def merged_sha() -> dict[str, str]:
+        files = [*sorted((root / "outputs/merged").rglob("*")), root / "outputs/export/merge_manifest.json"]
+        return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files
+                if p.is_file()}
+
+    before = merged_sha()
+    assert any(k.endswith(".safetensors") for k in before)
+    refused = make(root, env, "merge", [*merge_args, "export.merge.min_top1_agreement=1.01"])
+    assert refused.returncode != 0
+    lines = error_lines(refused.stderr)
+    assert lines[-2].startswith("export.merge.min_top1_agreement: the "), lines
+    assert lines[-1].startswith("make merge: failed; the previous outputs of merge and the stages before it are "
+                                "kept as they were (outputs/merged, outputs/export/merge_manifest.json)"), lines
+    assert merged_sha() == before
+    again = make(root, env, "merge", merge_args)
+    assert again.returncode == 0 and "Running stage" not in again.stdout + again.stderr
