@@ -263,20 +263,22 @@ def rejected_bytes(rejected: list[dict]) -> bytes:
 # --- near-duplicates across the split ------------------------------------------------------------------------
 
 
-def shingles(messages: list[dict], n: int = 3) -> frozenset[str]:
-    """Word n-grams of the non-system turns (a shared system prompt says nothing about duplication)."""
+def shingles(messages: list[dict], n: int = 3) -> frozenset[int]:
+    """Word n-grams of the non-system turns (a shared system prompt says nothing about duplication), each kept
+    as its hash: a third of the memory of the strings for every record, and the same Jaccard similarities
+    (a 64-bit collision among one record's shingles is vanishingly rare)."""
     words = " ".join(m["content"] for m in messages if m["role"] != "system").lower().split()
-    return frozenset(" ".join(words[i:i + n]) for i in range(max(len(words) - n + 1, 1)))
+    return frozenset(hash(" ".join(words[i:i + n])) for i in range(max(len(words) - n + 1, 1)))
 
 
-def near_duplicates(train: list[tuple[str, frozenset]], holdout: list[tuple[str, frozenset]],
+def near_duplicates(train: list[tuple[Any, frozenset]], holdout: list[tuple[Any, frozenset]],
                     threshold: float, max_listed: int = 20) -> dict[str, Any]:
     """Holdout examples whose Jaccard similarity to some train example is >= threshold (they leak the answer).
 
     Candidates come from an inverted index over shingles, leaving out shingles common to >10% of the
     train set (templates), so the cost grows with the data, not with its square.
     """
-    index: dict[str, list[int]] = defaultdict(list)
+    index: dict[int, list[int]] = defaultdict(list)
     for i, (_, sh) in enumerate(train):
         for s in sh:
             index[s].append(i)
@@ -430,10 +432,15 @@ def prepare(cfg: DictConfig) -> dict:
     train_idx = [i for i in range(len(records)) if keep[i] and not holdout_flags[i]]
     holdout_idx = [i for i in range(len(records)) if keep[i] and holdout_flags[i]]
 
-    where = [f"{relative(r.file, root)}:{r.line}" for r in records]
     sh = [shingles(c) if c is not None else frozenset() for c in conversations]
-    near = near_duplicates([(where[i], sh[i]) for i in train_idx], [(where[i], sh[i]) for i in holdout_idx],
+    near = near_duplicates([(i, sh[i]) for i in train_idx], [(i, sh[i]) for i in holdout_idx],
                            float(data.near_duplicate_threshold))
+    del sh
+    # file:line only for the pairs listed (a string per record cost ~80 MB per million records)
+    near["pairs"] = [{**pair, "holdout": f"{relative(records[pair['holdout']].file, root)}:"
+                                         f"{records[pair['holdout']].line}",
+                      "train": f"{relative(records[pair['train']].file, root)}:{records[pair['train']].line}"}
+                     for pair in near["pairs"]]
     roles = Counter(m["role"] for i in train_idx + holdout_idx for m in conversations[i])
     overlong_note = overlong_summary(lengths, overlong, len(records), int(data.max_length))
     report = {
