@@ -19,6 +19,7 @@ with the file itself), so a user fixes a file in one pass.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,6 +103,9 @@ class _Problems:
 def list_input_files(path: Path) -> list[Path]:
     """The files a data.path names: the file itself, or every *.jsonl/*.json under a folder, sorted."""
     if not path.exists():
+        if path.is_symlink():  # exists() follows links: a loop or a dangling link reads as missing
+            raise ReprotuneError([f"{path}:0: path: a symbolic link that leads nowhere (a loop, or its target "
+                                  f"{os.readlink(path)} is gone); point data.path at the file itself"])
         raise ReprotuneError([f"{path}:0: path: no such file or directory (set data.path=<file or folder>)"])
     if path.is_file():
         return [path]
