@@ -2,7 +2,9 @@
 #   make train ARGS="method=qlora train.max_steps=20"
 # Stage targets (prepare, train, eval, merge, gguf) run through DVC only: params.yaml is composed from
 # conf/ + ARGS, then 'dvc repro <stage>' runs what is out of date up to that stage and skips the rest, so
-# dvc.lock always describes outputs/ and 'make push' versions exactly what was produced.
+# dvc.lock always describes outputs/ and 'make push' versions exactly what was produced. One run per checkout
+# at a time; a failed or stopped stage keeps the previous outputs (docs/pipeline.md, "Failures and signals").
+# REPROTUNE_DEBUG=1 shows the traceback behind any one-line error.
 # Each target bootstraps .venv from the hash-locked lockfile first (idempotent; reused when current).
 
 SHELL := /bin/bash
@@ -48,13 +50,12 @@ data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate;
 
 # ---------------------------------------------------------------------------------------------- the stages
 DVC = $(VENV)/bin/dvc
-# dvc.yaml's stage commands run 'python': the venv's
-DVC_ENV = PATH=$(abspath $(VENV))/bin:$$PATH
 
-# $(call stage,<name>): compose params.yaml, then bring <name> and everything it needs up to date
+# $(call stage,<name>): under the checkout's run lock, compose params.yaml, then bring <name> and everything it
+# needs up to date (src/reprotune/runner.py: a second run is refused before params.yaml changes; signals reach
+# the stage; a failed or stopped stage keeps the previous outputs). exec: make's own death reaches the runner.
 define stage
-	$(PY) -m reprotune.config $(ARGS)
-	$(DVC_ENV) $(DVC) repro $(1)
+	exec $(PY) -m reprotune.runner $(1) $(ARGS)
 endef
 
 .PHONY: prepare
@@ -110,8 +111,8 @@ params: venv ## Compose conf/ (+ ARGS overrides) into params.yaml, the config DV
 	$(PY) -m reprotune.config $(ARGS)
 
 .PHONY: repro
-repro: data params ## The whole pipeline through DVC: make params ARGS=..., then dvc repro (skips what is up to date)
-	$(DVC_ENV) $(DVC) repro
+repro: data ## The whole pipeline through DVC: params.yaml from ARGS, then dvc repro (skips what is up to date)
+	$(call stage,all)
 
 .PHONY: all
 all: repro ## Same as make repro

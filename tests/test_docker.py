@@ -103,7 +103,8 @@ def test_pin_check_accepts_stage_references(tmp_path: Path) -> None:
 def test_runner_docker_runs_recipes_with_the_image_env() -> None:
     out = run(["make", "-n", "train", "RUNNER=docker", "VARIANT=cpu"], cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "/opt/venv/bin/python -m reprotune.config" in out.stdout and "/opt/venv/bin/dvc repro train" in out.stdout
+    # the runner composes params.yaml and runs the dvc next to its python (/opt/venv/bin/dvc repro train)
+    assert "exec /opt/venv/bin/python -m reprotune.runner train" in out.stdout
     assert ".venv/bin" not in out.stdout
     bad = run(["make", "-n", "train", "RUNNER=podman"], cwd=REPO)
     assert bad.returncode != 0 and "RUNNER=podman: use RUNNER=local" in bad.stderr

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text
 
 # conf/ lives at the repository root (the project runs from its source tree, in the venv and in the image)
@@ -42,9 +45,120 @@ PARAMS_HEADER = """\
 """
 
 
+# ------------------------------------------------------------------------- overrides checked, in one line
+# A setting named like a credential: its value would land in params.yaml (git), dvc.lock and the run cache.
+# Matched on the words of the last key (`hub_token`, `api_key`, `db_password`), not on substrings, so
+# `max_new_tokens`, `num_key_value_heads`, `extra_keys` and `api_key_env` (the *name* of a variable) pass.
+SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{30,})\b")
+
+
+def looks_like_secret(key: str) -> bool:
+    words = re.split(r"[_\-]", key.rsplit(".", 1)[-1].lower())
+    return bool(SECRET_WORDS & set(words)) or words[-1] == "key"
+
+
+def secret_problems(overrides: list[str]) -> list[str]:
+    """One line per override that would write a credential into tracked files."""
+    problems = []
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        if looks_like_secret(key):
+            problems.append(f"{key}: looks like a credential; settings land in params.yaml (tracked by git), "
+                            f"dvc.lock and the run cache: set it in the environment instead (e.g. HF_TOKEN)")
+        elif SECRET_VALUE.search(value):
+            problems.append(f"{key}: the value looks like an access token; set it in the environment instead "
+                            f"(e.g. HF_TOKEN), never as a setting")
+    return problems
+
+
+def _keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return [prefix]
+    return [prefix] * bool(prefix) + [k for key, v in node.items() for k in _keys(v, f"{prefix}{key}." if
+                                                                               prefix else f"{key}.")]
+
+
+def _closest(wanted: str, config: dict) -> str:
+    names = [k.rstrip(".") for k in _keys(config)]
+    match = difflib.get_close_matches(wanted, names, n=1, cutoff=0.6)
+    return f"did you mean {match[0]}? " if match else ""
+
+
+def hydra_problem(err: Exception, overrides: list[str]) -> str:
+    """Hydra's composition error (several lines, a traceback through make) as one line naming the setting."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
+        group, _, name = str(err.missing_cfg_file).rpartition("/")
+        return f"{group}={name}: no such preset; choose one of: {', '.join(err.options)}"
+    if isinstance(err, OverrideParseException):
+        return f"settings: cannot parse {' '.join(overrides)!r} ({str(err).splitlines()[0]})"
+    first = str(err).splitlines()[0]
+    unknown = re.match(r"Could not override '([^']+)'", first)
+    if unknown:
+        key = unknown.group(1)
+        base = OmegaConf.to_container(compose([]), resolve=False)
+        return (f"{key}: no such setting; {_closest(key, base)}"
+                f"(to add a new key on purpose write +{key}=...)")
+    return "settings: " + " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+def _lookup(config: dict, key: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def type_problems(overrides: list[str], base: dict, composed: dict) -> list[str]:
+    """An override whose value has another type than the key's default (train.max_steps=abc): named with the
+    expected type here, instead of a TypeError deep inside the stage."""
+    problems = []
+    last = dict(item.partition("=")[::2] for item in overrides if "=" in item and not item.startswith(("+", "~")))
+    for key, raw in last.items():  # a key set twice: Hydra keeps the last value, and so is it checked
+        found, default = _lookup(base, key)
+        found_new, value = _lookup(composed, key)
+        if not (found and found_new) or default is None or value is None or type(default) not in TYPE_NAMES:
+            continue
+        ok = isinstance(value, type(default)) and not (type(default) is int and isinstance(value, bool))
+        ok = ok or (type(default) is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            problems.append(f"{key}: expected {TYPE_NAMES[type(default)]}, got {raw!r}")
+    return problems
+
+
+def compose_checked(overrides: list[str]) -> DictConfig:
+    """compose(), with every user mistake in the overrides as a ReprotuneError of one line each: a credential,
+    an unknown key (with the closest valid name), an unknown preset (with the list), a value of the wrong type."""
+    from hydra.errors import HydraException
+
+    if problems := secret_problems(overrides):
+        raise ReprotuneError(problems)
+    try:
+        composed = compose(overrides)
+    except (HydraException, OSError) as err:  # MissingConfigException is an OSError too
+        raise ReprotuneError(hydra_problem(err, overrides)) from None
+    base = OmegaConf.to_container(compose([]), resolve=False)
+    try:
+        resolved = OmegaConf.to_container(composed, resolve=True)
+    except Exception as err:  # noqa: BLE001 - an interpolation the user broke (${data.nope}): one line
+        raise ReprotuneError(f"settings: {str(err).splitlines()[0]}") from None
+    if problems := type_problems(overrides, base, resolved):
+        raise ReprotuneError(problems)
+    if problems := secret_problems([f"{k}=" for k in _keys(resolved) if not k.startswith("paths.")]):
+        raise ReprotuneError(problems)  # a credential written into conf/ itself
+    return composed
+
+
 def dump_params(overrides: list[str], out: Path) -> None:
     """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
-    composed = compose(overrides)
+    composed = compose_checked(overrides)
     # Resolved like DVC's own Hydra composition (dvc exp run -S), so both forms track the same values and
     # an interpolated key (train.max_length: ${data.max_length}) changes in params.yaml when its source does;
     # paths stay unresolved: where things live (REPROTUNE_CACHE) is no parameter of any stage.
@@ -58,7 +172,8 @@ def dump_params(overrides: list[str], out: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    dump_params(sys.argv[1:], Path("params.yaml"))
+    with user_errors():
+        dump_params(sys.argv[1:], Path("params.yaml"))
     print("wrote params.yaml")
 
 

@@ -4,10 +4,19 @@ A stage raises ReprotuneError for anything the user can fix (bad input, a missin
 that refused to ship): one line per problem, `file:line: field: what` where there is a file. Each stage's
 command-line entry point runs under `user_errors()`, which prints those lines to stderr, no traceback, and
 exits with status 2. Anything else is a bug in reprotune and keeps its traceback.
+
+Two failures that are the machine's, not the code's, are one line too: the disk filling up (the path and the
+bytes it needed) and input nested too deep to parse (RecursionError). REPROTUNE_DEBUG=1 re-raises every one of
+them with its traceback. `user_errors()` also ties the stage to the process that launched it (Linux
+PR_SET_PDEATHSIG): when `make`/dvc dies, even by SIGKILL, the stage gets SIGTERM and writes nothing more.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,13 +34,99 @@ class ReprotuneError(Exception):
         super().__init__("\n".join(self.problems))
 
 
+def debug() -> bool:
+    """REPROTUNE_DEBUG=1: every error keeps its traceback (the documented switch, docs/reproducibility.md)."""
+    return os.environ.get("REPROTUNE_DEBUG", "") not in ("", "0")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux; elsewhere a no-op): a stage orphaned by a killed
+    make/dvc would otherwise keep running and write its outputs after the user stopped it."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _free_bytes(path: str) -> int:
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def _paths_in_traceback(err: BaseException) -> list[str]:
+    """File paths the failing frames held (a library's Rust error, safetensors' 'os error 28', names none)."""
+    found = []
+    tb = err.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, os.PathLike) or (isinstance(value, str) and value.startswith("/")
+                                                  and len(value) < 4096 and "\n" not in value):
+                found.append(os.fspath(value))
+        tb = tb.tb_next
+    return found
+
+
+def disk_full_line(err: BaseException) -> str:
+    """ENOSPC as one line: which path (the one on the fullest filesystem among those the write touched), the
+    bytes left there, and the bytes the write needed where the caller knows them."""
+    candidates = [str(err.filename)] if isinstance(err, OSError) and err.filename else []
+    candidates += _paths_in_traceback(err) or ["."]
+    where = min(reversed(candidates), key=_free_bytes)  # the innermost of the fullest
+    needed = getattr(err, "reprotune_bytes", None)
+    need = f", the write needed {needed:,}" if needed else ""
+    return (f"{where}: disk full (os error 28): {_free_bytes(where):,} bytes free there{need}; "
+            f"free some space and run again (the previous outputs are kept)")
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """ENOSPC, also where a library wraps it (safetensors' Rust error says 'os error 28')."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "os error 28" in str(err) or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 @contextmanager
 def user_errors(summary: str | None = None) -> Iterator[None]:
-    """Run a stage's body: a ReprotuneError becomes its lines on stderr (+ `summary`) and exit status 2."""
+    """Run a stage's body: a ReprotuneError becomes its lines on stderr (+ `summary`) and exit status 2;
+    a full disk and too-deep input become one line each (exit 2); REPROTUNE_DEBUG=1 keeps the tracebacks."""
+    die_with_parent()
     try:
         yield
     except ReprotuneError as err:
+        if debug():
+            raise
         print("\n".join(err.problems), file=sys.stderr)
         if summary:
             print(summary.format(count=err.total), file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except RecursionError:
+        if debug():
+            raise
+        print("input: nested too deeply to process (RecursionError); flatten the record "
+              "(REPROTUNE_DEBUG=1 shows where)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except Exception as err:
+        if debug() or not _is_disk_full(err):
+            raise
+        print(disk_full_line(err), file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

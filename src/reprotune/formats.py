@@ -19,6 +19,7 @@ with the file itself), so a user fixes a file in one pass.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,6 +103,9 @@ class _Problems:
 def list_input_files(path: Path) -> list[Path]:
     """The files a data.path names: the file itself, or every *.jsonl/*.json under a folder, sorted."""
     if not path.exists():
+        if path.is_symlink():  # exists() follows links: a loop or a dangling link reads as missing
+            raise ReprotuneError([f"{path}:0: path: a symbolic link that leads nowhere (a loop, or its target "
+                                  f"{os.readlink(path)} is gone); point data.path at the file itself"])
         raise ReprotuneError([f"{path}:0: path: no such file or directory (set data.path=<file or folder>)"])
     if path.is_file():
         return [path]
@@ -135,6 +139,9 @@ def _decode(path: Path, problems: _Problems) -> str | None:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+TOO_DEEP = "nested too deeply to parse (arrays/objects more than about 1,000 levels deep); flatten the record"
+
+
 def _iter_jsonl(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -143,6 +150,8 @@ def _iter_jsonl(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
             yield number, json.loads(line)
         except json.JSONDecodeError as err:
             problems.add(number, "json", f"invalid JSON: {err.msg} at column {err.colno}")
+        except RecursionError:  # the C decoder gives up past the interpreter's recursion limit
+            problems.add(number, "json", TOO_DEEP)
 
 
 def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
@@ -151,6 +160,9 @@ def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]
         document = json.loads(text)
     except json.JSONDecodeError as err:
         problems.add(err.lineno, "json", f"invalid JSON: {err.msg} at column {err.colno}", record=False)
+        return
+    except RecursionError:
+        problems.add(1, "json", TOO_DEEP, record=False)
         return
     if not isinstance(document, list):
         problems.add(1, "(top level)", f"expected a JSON array of examples, got {_type_name(document)}", record=False)

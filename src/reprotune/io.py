@@ -31,6 +31,8 @@ def iter_jsonl(path: Path, missing_hint: str = "") -> Iterator[tuple[int, Any]]:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
                 raise ReprotuneError(f"{path}:{lineno}: json: not valid JSON ({err.msg})") from None
+            except RecursionError:
+                raise ReprotuneError(f"{path}:{lineno}: json: nested too deeply to parse") from None
 
 
 def read_examples(path: Path, missing_hint: str = "") -> list[dict[str, Any]]:

@@ -244,7 +244,16 @@ HEADER = """\
 # Code deps are the project modules each stage's command imports (transitively); params are the config keys
 # its code reads (params.yaml, composed from conf/ + ARGS by every 'make <stage>'). tests/test_pipeline.py
 # fails when this file is stale. Run a stage and what it needs: make train | eval | merge | gguf.
+# Every output is persist: true (the stage swaps it in atomically; a failed run keeps the previous one).
 """
+
+
+def persisted(paths: list[str]) -> list[dict[str, dict[str, bool]]]:
+    """Every output `persist: true`: DVC then leaves it in place while the command runs instead of deleting it
+    first, and the stage swaps its new outputs in only once they are complete (reprotune.io), so a failed,
+    refused or killed stage leaves the previous outputs as dvc.lock describes them. DVC's run cache skips
+    stages with persistent outputs, so it can never record outputs under another run's params either."""
+    return [{path: {"persist": True}} for path in paths]
 
 
 def build(config: dict) -> dict[str, Any]:
@@ -255,12 +264,12 @@ def build(config: dict) -> dict[str, Any]:
             "cmd": f"python -m {PACKAGE}.{st.module} {HYDRA_ARGS}",
             "deps": [*st.deps, *code_deps(st.module)],
             "params": stage_params(st.module, config),
-            "outs": st.outs,
+            "outs": persisted(st.outs),
         }
         if st.metrics:
-            entry["metrics"] = st.metrics
+            entry["metrics"] = persisted(st.metrics)
         if st.plots:
-            entry["plots"] = st.plots
+            entry["plots"] = persisted(st.plots)
         stages[name] = entry
     return {"stages": stages}
 

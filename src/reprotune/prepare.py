@@ -91,10 +91,44 @@ def load_tokenizer(cfg: DictConfig) -> Any:
     return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
 
 
-def token_lengths(tokenizer: Any, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[int]:
+# conversations rendered and tokenized at a time: the fast tokenizer keeps an Encoding (ids, offsets, masks)
+# per text of a batch, so one batch of the whole dataset cost ~5 kB per example (525 MB at 100k short lines)
+LENGTH_BATCH = 1024
+
+
+class AtLeast(int):
+    """A token count known only as a lower bound (the cheap character check; see token_lengths)."""
+
+
+def longest_token(tokenizer: Any) -> int:
+    """Characters the longest vocabulary entry spells (byte-level BPE: bytes, which bound the characters): no
+    token covers more, so a text of more than `max_length * longest_token` characters is over max_length
+    tokens without tokenizing it."""
+    key = id(tokenizer)
+    if key not in _LONGEST:
+        _LONGEST[key] = max(len(token) for token in tokenizer.get_vocab())
+    return _LONGEST[key]
+
+
+_LONGEST: dict[int, int] = {}
+
+
+def token_lengths(tokenizer: Any, conversations: list[list[dict]], tools: list[list | None] | None = None,
+                  max_length: int | None = None) -> list[int]:
+    """Token count of each rendered conversation. With max_length, the cheap character check first: a text
+    certainly over max_length tokens is not tokenized (a 50 MB reply cost 6.6 GB) and gets the lower bound
+    `AtLeast(characters // longest_token + 1)`, over max_length, so the length policy treats it as before."""
     tools = tools or [None] * len(conversations)
-    texts = [tokenizer.apply_chat_template(c, tools=t, tokenize=False) for c, t in zip(conversations, tools, strict=True)]
-    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    cap = max_length * longest_token(tokenizer) if max_length else None
+    lengths: list[int] = []
+    for start in range(0, len(conversations), LENGTH_BATCH):
+        texts = [tokenizer.apply_chat_template(c, tools=t, tokenize=False) for c, t in
+                 zip(conversations[start:start + LENGTH_BATCH], tools[start:start + LENGTH_BATCH], strict=True)]
+        measured = iter(tokenizer([t for t in texts if cap is None or len(t) <= cap],
+                                  add_special_tokens=False)["input_ids"])
+        lengths += [AtLeast(len(t) // (cap // max_length) + 1) if cap is not None and len(t) > cap
+                    else len(next(measured)) for t in texts]
+    return lengths
 
 
 def truncate_last_reply(tokenizer: Any, messages: list[dict], max_length: int,
@@ -104,8 +138,15 @@ def truncate_last_reply(tokenizer: Any, messages: list[dict], max_length: int,
     if messages[-1].get("tool_calls"):
         return None
     reply = messages[-1]["content"]
+    widest = longest_token(tokenizer)
+    if sum(len(m.get("content") or "") for m in messages[:-1]) > max_length * widest:
+        return None  # the prompt alone is over max_length tokens: no cut of the reply fits
+    # what fits is within the first max_length tokens, at most max_length * widest characters: the rest of a
+    # huge reply is never tokenized (twice that kept, so the cut point is far from where the tokens end)
+    reply = reply[: 2 * max_length * widest]
     reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-    overhead = token_lengths(tokenizer, [messages], [tools])[0] - len(reply_ids)
+    cut_messages = [*messages[:-1], {**messages[-1], "content": reply}]
+    overhead = token_lengths(tokenizer, [cut_messages], [tools])[0] - len(reply_ids)
     budget = max_length - overhead
     while budget > 0:
         candidate = [*messages[:-1], {**messages[-1], "content": tokenizer.decode(reply_ids[:budget])}]
@@ -205,6 +246,11 @@ def overlong_summary(lengths: list[int], overlong: Counter, n_examples: int, max
         return None
     ordered = sorted(lengths)
     p95, p99 = (ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.95, 0.99))
+    if isinstance(p99, AtLeast):  # the cheap character check counted it: only a bound is known
+        return (f"prepare: {overlong['dropped']} of {n_examples} examples "
+                f"({100 * overlong['dropped'] / n_examples:.0f}%) dropped as longer than data.max_length="
+                f"{max_length} tokens (p99 at least {p99}, not tokenized); data.overlong=truncate cuts the last "
+                f"reply to fit")
     return (f"prepare: {overlong['dropped']} of {n_examples} examples ({100 * overlong['dropped'] / n_examples:.0f}%) "
             f"dropped as longer than data.max_length={max_length} tokens (p95 {p95}, p99 {p99}); keep them with "
             f"data.max_length={p99} (or {p95}), or data.overlong=truncate (cuts the last reply to fit)")
@@ -217,20 +263,22 @@ def rejected_bytes(rejected: list[dict]) -> bytes:
 # --- near-duplicates across the split ------------------------------------------------------------------------
 
 
-def shingles(messages: list[dict], n: int = 3) -> frozenset[str]:
-    """Word n-grams of the non-system turns (a shared system prompt says nothing about duplication)."""
+def shingles(messages: list[dict], n: int = 3) -> frozenset[int]:
+    """Word n-grams of the non-system turns (a shared system prompt says nothing about duplication), each kept
+    as its hash: a third of the memory of the strings for every record, and the same Jaccard similarities
+    (a 64-bit collision among one record's shingles is vanishingly rare)."""
     words = " ".join(m["content"] for m in messages if m["role"] != "system").lower().split()
-    return frozenset(" ".join(words[i:i + n]) for i in range(max(len(words) - n + 1, 1)))
+    return frozenset(hash(" ".join(words[i:i + n])) for i in range(max(len(words) - n + 1, 1)))
 
 
-def near_duplicates(train: list[tuple[str, frozenset]], holdout: list[tuple[str, frozenset]],
+def near_duplicates(train: list[tuple[Any, frozenset]], holdout: list[tuple[Any, frozenset]],
                     threshold: float, max_listed: int = 20) -> dict[str, Any]:
     """Holdout examples whose Jaccard similarity to some train example is >= threshold (they leak the answer).
 
     Candidates come from an inverted index over shingles, leaving out shingles common to >10% of the
     train set (templates), so the cost grows with the data, not with its square.
     """
-    index: dict[str, list[int]] = defaultdict(list)
+    index: dict[int, list[int]] = defaultdict(list)
     for i, (_, sh) in enumerate(train):
         for s in sh:
             index[s].append(i)
@@ -353,6 +401,10 @@ def prepare(cfg: DictConfig) -> dict:
     rejected = [{**r, "file": relative(r["file"], root)} for f in files for r in f.rejected]
     if data.scrub:  # a reason may quote a value from the record (an unknown role): never with scrubbing on
         rejected = [{**r, "reason": QUOTED.sub('"…"', r["reason"])} for r in rejected]
+    if not records:  # every record skipped (or none there): nothing to split, scrub or measure
+        first = f"; the first: {rejected[0]['file']}:{rejected[0]['line']}: {rejected[0]['reason']}" if rejected else ""
+        raise ReprotuneError(f"{data.path}:0: data: no valid examples left ({len(rejected)} skipped with "
+                             f"data.on_invalid=skip){first}")
     if rejected:
         log.warning("skipped %d invalid record(s) (data.on_invalid=skip): see %s", len(rejected),
                     out / "rejected.jsonl")
@@ -373,17 +425,22 @@ def prepare(cfg: DictConfig) -> dict:
 
     tokenizer = load_tokenizer(cfg)
     check_templates(cfg, tokenizer, conversations, tools)
-    lengths = token_lengths(tokenizer, conversations, tools)
+    lengths = token_lengths(tokenizer, conversations, tools, int(data.max_length))
     conversations, lengths, overlong = apply_length_policy(tokenizer, conversations, lengths,
                                                            int(data.max_length), str(data.overlong), tools)
     keep = [c is not None for c in conversations]
     train_idx = [i for i in range(len(records)) if keep[i] and not holdout_flags[i]]
     holdout_idx = [i for i in range(len(records)) if keep[i] and holdout_flags[i]]
 
-    where = [f"{relative(r.file, root)}:{r.line}" for r in records]
     sh = [shingles(c) if c is not None else frozenset() for c in conversations]
-    near = near_duplicates([(where[i], sh[i]) for i in train_idx], [(where[i], sh[i]) for i in holdout_idx],
+    near = near_duplicates([(i, sh[i]) for i in train_idx], [(i, sh[i]) for i in holdout_idx],
                            float(data.near_duplicate_threshold))
+    del sh
+    # file:line only for the pairs listed (a string per record cost ~80 MB per million records)
+    near["pairs"] = [{**pair, "holdout": f"{relative(records[pair['holdout']].file, root)}:"
+                                         f"{records[pair['holdout']].line}",
+                      "train": f"{relative(records[pair['train']].file, root)}:{records[pair['train']].line}"}
+                     for pair in near["pairs"]]
     roles = Counter(m["role"] for i in train_idx + holdout_idx for m in conversations[i])
     overlong_note = overlong_summary(lengths, overlong, len(records), int(data.max_length))
     report = {

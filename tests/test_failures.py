@@ -1,0 +1,448 @@
+"""Nothing lost, nothing mis-recorded (#22): faults injected into the real make -> DVC -> stage path.
+
+Fast: the settings checks (unknown key with the closest name, unknown preset with the list, wrong type, a
+credential), the hostile-inputs corpus through the reader (tests/data/hostile/ + files generated here), the
+checkout run lock and the stage dying with its parent. Slow: a fresh git copy of this checkout where
+`make train` (tiny model) ran once, then every fault of the issue's table through `make`: the outputs' sha256
+are unchanged afterwards, `dvc status` tells the truth, and the error is one line without a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from reprotune.config import compose_checked, looks_like_secret
+from reprotune.errors import ReprotuneError
+from reprotune.formats import read_dataset
+
+from .conftest import REPO
+
+HOSTILE = REPO / "tests/data/hostile"
+PY = sys.executable
+
+
+# ------------------------------------------------------------------------------------------------ settings
+@pytest.mark.parametrize(("override", "expected"), [
+    ("train.lerning_rate=1e-4", r"^train\.lerning_rate: no such setting; did you mean train\.learning_rate\?"),
+    ("model=nope", r"^model=nope: no such preset; choose one of: .*\btiny_random\b"),
+    ("train.max_steps=abc", r"^train\.max_steps: expected an integer, got 'abc'$"),
+    ("+train.hub_token=hf_x", r"^train\.hub_token: looks like a credential.*environment"),
+    ("data.path=hf_" + "a" * 34, r"^data\.path: the value looks like an access token"),
+])
+def test_a_setting_mistake_is_one_line_naming_the_key(override: str, expected: str) -> None:
+    with pytest.raises(ReprotuneError) as err:
+        compose_checked(["model=tiny_random", override])
+    assert len(err.value.problems) == 1
+    assert re.search(expected, err.value.problems[0]), err.value.problems[0]
+
+
+def test_a_key_set_twice_is_checked_by_its_last_value() -> None:
+    compose_checked(["model=tiny_random", "train.max_steps=abc", "train.max_steps=3"])
+    with pytest.raises(ReprotuneError) as err:
+        compose_checked(["model=tiny_random", "train.max_steps=3", "train.max_steps=abc"])
+    assert err.value.problems == ["train.max_steps: expected an integer, got 'abc'"]
+
+
+def test_the_real_config_keys_are_not_taken_for_credentials() -> None:
+    """`*key*`/`*token*` substrings in real keys (max_new_tokens, num_key_value_heads, api_key_env) pass."""
+    compose_checked(["model=tiny_random", "eval.baseline.api_key_env=MY_KEY", "train.learning_rate=1"])
+    assert not any(looks_like_secret(k) for k in ("eval.max_new_tokens", "model.architecture.num_key_value_heads",
+                                                   "data.extra_keys", "eval.baseline.api_key_env"))
+    assert all(looks_like_secret(k) for k in ("train.hub_token", "x.api_key", "db.password", "aws.secret"))
+
+
+# ----------------------------------------------------------------------------------------- hostile inputs
+def deep_line(levels: int) -> str:
+    return '{"messages": ' + "[" * levels + "]" * levels + "}\n"
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Path:
+    """tests/data/hostile/ plus the files too big or too odd to commit: deep nesting, a symlink loop."""
+    corpus = tmp_path / "hostile"
+    shutil.copytree(HOSTILE, corpus)
+    (corpus / "deep.jsonl").write_text(deep_line(100_000))
+    (corpus / "loop_a.jsonl").symlink_to("loop_b.jsonl")
+    (corpus / "loop_b.jsonl").symlink_to("loop_a.jsonl")
+    return corpus
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("deep.jsonl", r"deep\.jsonl:1: json: nested too deeply to parse"),
+    ("nul.jsonl", r"nul\.jsonl:1: json: invalid JSON: Invalid control character"),
+    ("utf16.jsonl", r"utf16\.jsonl:1: encoding: invalid UTF-8 \(byte 0xff at column 1\)"),
+    ("loop_a.jsonl", r"loop_a\.jsonl:0: path: a symbolic link that leads nowhere \(a loop"),
+])
+def test_hostile_input_is_one_line_naming_file_and_line(hostile: Path, name: str, expected: str) -> None:
+    with pytest.raises(ReprotuneError) as err:
+        read_dataset(hostile / name)
+    assert len(err.value.problems) == 1 and re.search(expected, err.value.problems[0]), err.value.problems
+
+
+def test_deep_nesting_through_the_stage_is_one_line_without_traceback(hostile: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([PY, "-m", "reprotune.prepare", f"paths.root={tmp_path}", "model=tiny_random",
+                           f"data.path={hostile / 'deep.jsonl'}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr
+    assert re.search(r"deep\.jsonl:1: json: nested too deeply", proc.stderr), proc.stderr[-2000:]
+
+
+def test_nothing_valid_left_after_skip_is_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": 5}\n{"messages": [{"role": "user", "content": "no reply"}]}\n')
+    proc = subprocess.run([PY, "-m", "reprotune.prepare", f"paths.root={tmp_path}", "model=tiny_random",
+                           f"data.path={data}", "data.on_invalid=skip"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "IndexError" not in proc.stderr
+    assert re.search(r"bad\.jsonl:0: data: no valid examples left \(2 skipped", proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "data/prepared").exists()
+
+
+DISK_FULL = textwrap.dedent("""
+    from pathlib import Path
+    from reprotune.errors import user_errors
+
+    def save(path):
+        with open(path, "wb", buffering=0) as fh:  # /dev/full: every write fails with ENOSPC
+            fh.write(b"weights" * 1000)
+
+    with user_errors():
+        save(Path("/dev/full"))
+""")
+
+
+def test_disk_full_is_one_line_naming_the_path() -> None:
+    proc = subprocess.run([PY, "-c", DISK_FULL], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"/dev/full: disk full \(os error 28\): [\d,]+ bytes free there; free "
+                                            r"some space and run again \(the previous outputs are kept\)",
+                                            lines[0]), proc.stderr
+    debug = subprocess.run([PY, "-c", DISK_FULL], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REPROTUNE_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "No space left on device" in debug.stderr
+
+
+PEAK = textwrap.dedent("""
+    import resource, subprocess, sys
+    subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+    print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB, of the one child this process had
+""")
+
+
+def peak_mib(cmd: list[str]) -> float:
+    """Peak resident memory of a command, in MiB (measured by a fresh parent, so no earlier child counts)."""
+    out = subprocess.run([PY, "-c", PEAK, *cmd], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split()[-1]) / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["drop", "truncate"])
+def test_a_50_mb_reply_prepares_in_bounded_memory(tmp_path: Path, policy: str) -> None:
+    """The cheap character check: a 50 MB reply is never tokenized whole (before: 6.6 GB peak, 77 s)."""
+    data = tmp_path / "huge.jsonl"
+    with open(data, "w") as fh:
+        fh.write(json.dumps({"messages": [{"role": "user", "content": "Summarise"},
+                                          {"role": "assistant", "content": "word " * 10_000_000}]}) + "\n")
+        fh.write(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "hello"}]}) + "\n")
+    peak = peak_mib([PY, "-m", "reprotune.prepare", f"paths.root={tmp_path}", "model=tiny_random",
+                     f"data.path={data}", "data.scrub=false", f"data.overlong={policy}"])
+    print(f"\n50 MB reply, overlong={policy}: peak {peak:.0f} MiB")
+    assert peak < 1024
+    rows = [json.loads(line) for line in (tmp_path / "data/prepared/train.jsonl").read_text().splitlines()]
+    assert len(rows) == (2 if policy == "truncate" else 1)
+    if policy == "truncate":
+        assert max(len(r["messages"][-1]["content"]) for r in rows) < 10_000
+
+
+# ---------------------------------------------------------------------------------------- lock and death
+HOLD_LOCK = textwrap.dedent("""
+    import sys, time
+    from reprotune.runner import checkout_lock
+    with checkout_lock("make train ARGS=train.max_steps=7"):
+        print("held", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_a_second_run_is_refused_before_params_yaml_and_a_killed_holder_frees_the_lock(tmp_path: Path) -> None:
+    (tmp_path / "params.yaml").write_text("untouched\n")
+    holder = subprocess.Popen([PY, "-c", HOLD_LOCK], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        second = subprocess.run([PY, "-m", "reprotune.runner", "train", "train.max_steps=6"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120)
+        assert time.monotonic() - started < 60
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert re.match(rf"another run holds this checkout: pid {holder.pid} \(make train ARGS=train.max_steps=7\)"
+                        r" since \d{4}-\d\d-\d\dT", lines[0]), lines[0]
+        assert (tmp_path / "params.yaml").read_text() == "untouched\n"
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the flock
+        holder.wait()
+    again = subprocess.run([PY, "-c", "from reprotune.runner import checkout_lock\n"
+                            "with checkout_lock('t'): print('got it')"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert again.stdout.strip() == "got it", again.stderr
+
+
+ORPHAN = textwrap.dedent("""
+    import subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c",
+        "import time; from reprotune.errors import die_with_parent; die_with_parent(); print('ready', flush=True); "
+        "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    print(child.pid, flush=True)
+    import time; time.sleep(600)
+""")
+
+
+def test_a_stage_dies_with_its_parent_even_on_sigkill() -> None:
+    parent = subprocess.Popen([PY, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ------------------------------------------------------------------------------ through make, in a clone
+TINY = ["model=tiny_random", "train.max_steps=3", "train.save_steps=3", "train.logging_steps=1",
+        "train.per_device_train_batch_size=2"]
+LONG = [*TINY[:1], "train.max_steps=100000", "train.save_steps=100000", *TINY[3:]]
+VENV = Path(sys.executable).parent.parent
+
+
+def outputs_sha(root: Path) -> dict[str, str]:
+    """sha256 of every file the prepare and train stages own (dvc.yaml outs, metrics, plots)."""
+    found = {}
+    for top in ("data/prepared", "outputs/adapter", "outputs/train"):
+        for path in sorted((root / top).rglob("*")):
+            if path.is_file():
+                found[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict[str, str]]:
+    """A fresh git copy of this checkout after one good `make train` (tiny); (root, env, outputs' sha256)."""
+    root = tmp_path_factory.mktemp("faults") / "reprotune"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        if (REPO / rel).is_file() and not (REPO / rel).is_symlink():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, root / rel)
+    (root / ".venv").symlink_to(VENV)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS", "MAKELEVEL")}
+    env.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                "GIT_COMMITTER_EMAIL": "t@t", "DVC_NO_ANALYTICS": "1", "REPROTUNE_CACHE": str(REPO / ".cache/reprotune")})
+    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-q", "-m", "copy"]):
+        subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True)
+    first = make(root, env, "train", TINY)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sha = outputs_sha(root)
+    assert any(k.startswith("outputs/adapter/") for k in sha) and "data/prepared/train.jsonl" in sha
+    return root, env, sha
+
+
+def make(root: Path, env: dict, target: str, args: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", target, f"ARGS={' '.join(args)}"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """What the user reads about the failure: stderr minus progress, WARNING and make's own closing line."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(
+        ("WARNING", "make: ***", "+ -m", "Loading", "global batch", "Failed to load CPU", "Terminated", ">"))]
+
+
+def dvc_status(root: Path, env: dict) -> str:
+    """`dvc status` of the stages this module runs (eval, merge, gguf never ran in the copy)."""
+    return subprocess.run([str(VENV / "bin/dvc"), "status", "prepare", "train"], cwd=root, env=env, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def processes_in(root: Path) -> list[int]:
+    """Processes whose working directory is the clone (make, the runner, dvc, the stage)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(os.readlink(f"/proc/{entry}/cwd")) == root and _alive(int(entry)):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_bad_data_keeps_the_previous_prepared_data(trained: tuple[Path, dict, dict[str, str]], tmp_path: Path) -> None:
+    root, env, sha = trained
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((root / "data/raw/invoices.jsonl").read_text().splitlines()[0] + '\n{"messages": 5}\n')
+    proc = make(root, env, "prepare", [*TINY, f"data.path={bad}"])
+    assert proc.returncode != 0
+    assert outputs_sha(root) == sha
+    lines = error_lines(proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"bad\.jsonl:2: messages: must be an array", proc.stderr)
+    assert lines[-1].startswith("make prepare: failed; the previous outputs of prepare and the stages before it "
+                                "are kept as they were (data/prepared/train.jsonl"), lines
+    assert "modified:           data" in dvc_status(root, env)  # params.yaml holds the failed run's data.path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["train.max_steps=abc"], r"^train\.max_steps: expected an integer, got 'abc'$"),
+    (["train.lerning_rate=1e-4"], r"^train\.lerning_rate: no such setting; did you mean train\.learning_rate\?"),
+    (["model=nope"], r"^model=nope: no such preset; choose one of: "),
+    (["+train.hub_token=hf_" + "b" * 34], r"^train\.hub_token: looks like a credential"),
+])
+def test_a_setting_mistake_through_make_is_one_line_and_changes_nothing(
+        trained: tuple[Path, dict, dict[str, str]], extra: list[str], expected: str) -> None:
+    root, env, sha = trained
+    params = (root / "params.yaml").read_bytes()
+    proc = make(root, env, "train", [*TINY, *extra])
+    assert proc.returncode == 2
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and re.search(expected, lines[0]), proc.stderr[-3000:]
+    assert (root / "params.yaml").read_bytes() == params  # refused before params.yaml was written
+    assert outputs_sha(root) == sha
+    assert "hf_b" not in (root / "params.yaml").read_text() + (root / "dvc.lock").read_text()
+
+
+@pytest.mark.slow
+def test_a_refused_stage_keeps_the_previous_adapter(trained: tuple[Path, dict, dict[str, str]]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal under test is hardware=gpu on a host without CUDA")
+    root, env, sha = trained
+    proc = make(root, env, "train", [*TINY, "hardware=gpu"])
+    assert proc.returncode != 0
+    assert outputs_sha(root) == sha
+    lines = error_lines(proc.stderr)
+    assert lines[-2].startswith("hardware.device: hardware=gpu asked for CUDA"), lines
+    assert lines[-1].startswith("make train: failed; the previous outputs of train and the stages before it are "
+                                "kept as they were (outputs/adapter"), lines
+
+
+def start_long_train(root: Path, env: dict, log: Path) -> subprocess.Popen:
+    """make train with many steps in its own session (so a test can kill its whole process group), once the
+    stage's own process is running."""
+    handle = open(log, "w")  # noqa: SIM115 - closed by the caller's process exit
+    proc = subprocess.Popen(["make", "train", f"ARGS={' '.join(LONG)}"], cwd=root, env=env, stdout=handle,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while "+ -m reprotune.train" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(3)  # into the model load / first steps
+    return proc
+
+
+def wait_gone(root: Path, seconds: float) -> float:
+    started = time.monotonic()
+    while processes_in(root):
+        assert time.monotonic() - started < seconds, f"still running: {processes_in(root)}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_and_sigterm_mid_stage(trained: tuple[Path, dict, dict[str, str]], tmp_path: Path) -> None:
+    root, env, sha = trained
+    first = start_long_train(root, env, tmp_path / "first.log")
+    params = (root / "params.yaml").read_bytes()
+    second = make(root, env, "train", [*TINY[:1], "train.max_steps=6"], timeout=120)
+    assert second.returncode == 2
+    lines = error_lines(second.stderr)
+    assert len(lines) == 1 and lines[0].startswith("another run holds this checkout: pid "), second.stderr
+    assert "train.max_steps=100000" in lines[0]
+    assert (root / "params.yaml").read_bytes() == params  # the running stage's settings, untouched
+
+    os.kill(first.pid, signal.SIGTERM)  # make only, as a script or a pod stop does: make forwards nothing
+    took = wait_gone(root, 30)
+    assert first.wait(timeout=30) != 0
+    log = (tmp_path / "first.log").read_text()
+    assert "make train: stopped by SIGTERM; the previous outputs" in log, log[-3000:]
+    assert "Traceback" not in log
+    time.sleep(2)  # nothing writes afterwards
+    assert outputs_sha(root) == sha
+    print(f"\nSIGTERM to make: every process of the run gone after {took:.2f} s")
+
+    again = make(root, env, "train", TINY)  # the good settings again: dvc.lock still describes them
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Running stage" not in again.stdout + again.stderr
+    assert outputs_sha(root) == sha
+    assert "up to date" in dvc_status(root, env)
+
+
+@pytest.mark.slow
+def test_sigkill_to_the_whole_process_group_keeps_the_outputs(trained: tuple[Path, dict, dict[str, str]],
+                                                               tmp_path: Path) -> None:
+    root, env, sha = trained
+    first = start_long_train(root, env, tmp_path / "killed.log")
+    os.killpg(first.pid, signal.SIGKILL)  # make and the runner; dvc and the stage follow by PR_SET_PDEATHSIG
+    first.wait(timeout=30)
+    took = wait_gone(root, 30)
+    time.sleep(2)
+    assert outputs_sha(root) == sha
+    print(f"\nSIGKILL to make's process group: dvc and the stage gone after {took:.2f} s")
+    again = make(root, env, "train", TINY)  # the lock is free (the kernel dropped it) and nothing re-runs
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Running stage" not in again.stdout + again.stderr
+    assert outputs_sha(root) == sha
+    assert "up to date" in dvc_status(root, env)
+
+
+@pytest.mark.slow
+def test_a_refused_merge_keeps_the_previous_merged_model(trained: tuple[Path, dict, dict[str, str]]) -> None:
+    """merge refuses at its very end (after building the new model aside): the previous one stays."""
+    root, env, _ = trained
+    merge_args = [*TINY, "export.merge.prompts=2"]
+    good = make(root, env, "merge", merge_args)
+    assert good.returncode == 0, good.stderr[-3000:]
+
+    def merged_sha() -> dict[str, str]:
+        files = [*sorted((root / "outputs/merged").rglob("*")), root / "outputs/export/merge_manifest.json"]
+        return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files
+                if p.is_file()}
+
+    before = merged_sha()
+    assert any(k.endswith(".safetensors") for k in before)
+    refused = make(root, env, "merge", [*merge_args, "export.merge.min_top1_agreement=1.01"])
+    assert refused.returncode != 0
+    lines = error_lines(refused.stderr)
+    assert lines[-2].startswith("export.merge.min_top1_agreement: the "), lines
+    assert lines[-1].startswith("make merge: failed; the previous outputs of merge and the stages before it are "
+                                "kept as they were (outputs/merged, outputs/export/merge_manifest.json)"), lines
+    assert merged_sha() == before
+    again = make(root, env, "merge", merge_args)
+    assert again.returncode == 0 and "Running stage" not in again.stdout + again.stderr
