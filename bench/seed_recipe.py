@@ -1,6 +1,7 @@
 """The seed guide's recipe (plain TRL + PEFT) against `reprotune.train` on the same data, in one invocation.
 
-    python bench/seed_recipe.py                                  # 8B shape, LoRA and QLoRA, 10 steps each
+    python bench/seed_recipe.py                                  # Qwen3-8B (real architecture), LoRA and QLoRA
+    python bench/seed_recipe.py --model llama_shape_8b_random    # the Llama-block 8B shape measured before #25
     python bench/seed_recipe.py --runs seed:lora ours:lora --steps 20 -- model.random_init.tokenizer_dir=/tok
     python bench/seed_recipe.py --runs ours:lora ours:lora@8x2     # @RxA: R rows per micro-batch x A accumulation
     python bench/seed_recipe.py --runs ours:lora ours:lora#2 ours:lora+strict   # #N: a repeat; +strict: repro=strict
@@ -173,7 +174,7 @@ def planned_peak(root: Path) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="*", default=["seed:lora", "ours:lora", "seed:qlora", "ours:qlora"])
-    parser.add_argument("--model", default="qwen3_8b_random")
+    parser.add_argument("--model", default="qwen3_8b_random")  # Qwen3ForCausalLM, 8.19 B, random weights
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=Path("bench-out/seed_recipe"))

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from reprotune import plan, speed
 from reprotune.config import CONF_DIR, compose
@@ -45,6 +46,20 @@ def test_committed_measurements_are_predicted_within_bounds() -> None:
     assert len(rows) >= 5
     for row in rows:
         assert -0.05 <= row["error"] <= 0.10, row
+
+
+# issue #25: the presets' real architectures on one H200 (Qwen3ForCausalLM, MistralForCausalLM, Llama 3.2)
+ARCHITECTURE_RUNS = ("qwen3-8b-lora-packed-nockpt-16rows", "qwen3-8b-qlora-packed-ckpt-16rows",
+                     "mistral-7b-lora-packed-nockpt-16rows", "llama32-1b-lora-packed-nockpt-16rows")
+
+
+@pytest.mark.parametrize("name", ARCHITECTURE_RUNS)
+def test_real_architectures_are_never_under_predicted(name: str) -> None:
+    """On the real architectures the predicted peak is never below the measured one and at most 10% above (the
+    q/k norms, 128-dim heads, untied 151,936-row head of Qwen3-8B: -4.3% before they were counted)."""
+    entry = next(e for e in plan.load_calibration() if e["name"] == name)
+    (row,) = plan.calibration_errors([entry])
+    assert 0.0 <= row["error"] <= 0.10, row
 
 
 def test_memory_model_is_no_worse_than_committed() -> None:
@@ -143,16 +158,41 @@ def test_a_measured_run_of_exactly_this_configuration_wins(tmp_path: Path) -> No
 # ------------------------------------------------------------------------------------------- model arithmetic
 def test_parameter_counts_match_the_measured_models() -> None:
     """trainer.get_nb_trainable_parameters() on the H200 reported 7.39 B (8B shape) and 1.09 B (1B shape), LoRA
-    included (README)."""
-    for preset, expected in (("qwen3_8b_random", 7.39e9), ("llama32_1b_random", 1.09e9)):
+    included (README): the Llama-block shapes the calibration runs before #25 measured."""
+    for preset, expected in (("llama_shape_8b_random", 7.39e9), ("llama_shape_1b_random", 1.09e9)):
         cfg = compose([f"model={preset}"])
         shape = plan.model_shape(cfg.model)
         p = plan.count_params(shape, list(cfg.model.lora_target_modules), 16, False)
         assert abs((p.total + p.trainable) - expected) / expected < 0.005, preset
 
 
+@pytest.mark.parametrize("preset", ["qwen3_8b_random", "mistral_7b_random", "llama32_1b_random", "qwen3_8b",
+                                    "tiny_random_qwen3", "tiny_random_gemma3", "tiny_random_mistral", "tiny_random"])
+def test_parameter_count_is_what_transformers_builds(preset: str) -> None:
+    """The plan's count (no torch) equals the parameters of the architecture class transformers builds from the
+    same preset (on the meta device: no memory): Qwen3-8B 8,190,735,360 with its q/k norms and untied head."""
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    from reprotune.models import random_init_architecture
+
+    model = compose([f"model={preset}"]).model
+    if model.source == "random_init":
+        model_type, arch = random_init_architecture(OmegaConf.to_container(model.random_init, resolve=True))
+    else:
+        model_type, arch = str(model.model_type), OmegaConf.to_container(model.architecture, resolve=True)
+    arch["vocab_size"] = arch.get("vocab_size") or plan.BUILTIN_TOKENIZER_VOCAB
+    config = AutoConfig.for_model(model_type, **arch)
+    with torch.device("meta"):
+        built = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    expected = sum(p.numel() for p in built.parameters())
+    assert plan.count_params(plan.model_shape(model), list(plan.LINEAR_MODULES), 16, False).total == expected
+    if preset.startswith("qwen3_8b"):
+        assert expected == 8_190_735_360 and type(built).__name__ == "Qwen3ForCausalLM"
+
+
 def test_nf4_weights_are_about_a_quarter_of_bf16() -> None:
-    cfg = compose(["model=qwen3_8b_random", "method=qlora"])
+    cfg = compose(["model=llama_shape_8b_random", "method=qlora"])
     out = plan.make_plan(cfg)
     bf16, nf4 = out["model"]["frozen_weight_bytes"]["bf16"], out["model"]["frozen_weight_bytes"]["nf4_double_quant"]
     # NF4 4.127 bits per layer weight with double quantisation; embeddings and the LM head stay in bf16
@@ -271,9 +311,10 @@ def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
     packed micro-steps; no, partial or full checkpointing; fewer rows), the one the throughput model predicts
     fastest. QLoRA's default budget (22 GiB of card, ~20 GiB peak) takes 16 x 1 rows with every layer checkpointed:
     measured on the H200, 9,837-10,075 tok/s at 11.9 GiB, against 7,753 tok/s at 19.1 GiB for 4 x 4 rows
-    checkpointing every 4th layer (the previous choice) and 6,376 for 4 x 4 rows checkpointing every layer."""
+    checkpointing every 4th layer (the previous choice) and 6,376 for 4 x 4 rows checkpointing every layer
+    (those runs: the Llama-block 8B shape, llama_shape_8b_random)."""
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
-    cfg = compose(["model=qwen3_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
+    cfg = compose(["model=llama_shape_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
                    "train.gradient_accumulation_steps=4"])
     consts, shape, data = plan.load_table("memory.yaml"), plan.model_shape(cfg.model), plan.load_data_shape(cfg)
     tp = plan.load_table("throughput.yaml")
@@ -296,7 +337,7 @@ def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
         assert s.batch_size * s.grad_accum == 16 and m["card_gib"] <= budget, (budget, s)
     tight, _ = plan.fit_to_budget(cfg, shape, data, 6.5 * GIB, consts)
     assert tight.checkpointing and tight.batch_size < 4
-    forced = compose(["model=qwen3_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
+    forced = compose(["model=llama_shape_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
                       "train.gradient_accumulation_steps=4", "hardware.gradient_checkpointing=true"])
     as_set, _ = plan.fit_to_budget(forced, shape, data, 100 * GIB, consts)  # forced: exactly as configured
     assert (as_set.checkpointing, as_set.batch_size, as_set.grad_accum) == (True, 4, 4)

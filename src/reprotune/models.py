@@ -86,37 +86,56 @@ def random_init_key(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def materialise_random_init(spec: dict[str, Any], cache: Path) -> Path:
-    """A randomly initialised Llama-architecture model with the built-in tokenizer, deterministic from its
-    config: tiny ones for tests, real 1B-8B shapes for GPU benchmarks without hub access."""
+# The flat random_init form (tiny_random): a Llama with a tied head. Kept as it was so the tiny model, its spec
+# hash and therefore its adapter bytes (tests/golden) stay the same.
+FLAT_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+
+
+def random_init_architecture(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(model_type, config keyword arguments) of a random_init spec: `model_type` + `architecture` (the
+    *_random presets take both from the hub preset they stand for), or the flat Llama form."""
+    if spec.get("architecture") is not None:
+        return str(spec.get("model_type") or "llama"), dict(spec["architecture"])
+    arch = {k: spec[k] for k in FLAT_SHAPE_KEYS if k in spec}
+    arch.setdefault("max_position_embeddings", 2048)
+    arch.setdefault("tie_word_embeddings", True)
+    return "llama", arch
+
+
+def random_init_config(spec: dict[str, Any], tokenizer: Any, preset: str = "random_init") -> Any:
+    """The transformers config a random_init spec builds (AutoConfig.for_model), its vocabulary checked against
+    the tokenizer first. vocab_size null or absent: exactly the tokenizer's ids."""
+    from transformers import AutoConfig
+
+    model_type, arch = random_init_architecture(spec)
+    if arch.get("vocab_size") is None:
+        arch["vocab_size"] = len(tokenizer)
+    check_vocabulary(preset, tokenizer, int(arch["vocab_size"]))
+    return AutoConfig.for_model(model_type, **arch, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def materialise_random_init(spec: dict[str, Any], cache: Path, preset: str = "random_init") -> Path:
+    """A randomly initialised model of the spec's architecture class (Qwen3ForCausalLM, MistralForCausalLM,
+    LlamaForCausalLM, Gemma3ForCausalLM, ...) with the built-in tokenizer, deterministic from its config: tiny ones
+    for tests, the real 1B-8B architectures for GPU benchmarks without hub access."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     key = random_init_key(spec)
     final = cache / f"random-{key}"
     if (final / "reprotune-source.json").is_file():
-        return final
-    tmp = _atomic_dir(final)
+        return final  # load_tokenizer checks its vocabulary against config.json
     tokenizer = _random_init_tokenizer(spec)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"],
-        num_key_value_heads=spec["num_key_value_heads"],
-        max_position_embeddings=spec.get("max_position_embeddings", 2048),
-        tie_word_embeddings=spec.get("tie_word_embeddings", True),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = random_init_config(spec, tokenizer, preset)  # the vocabulary check runs before anything is built
+    tmp = _atomic_dir(final)
     torch.manual_seed(spec["init_seed"])
     dtype = getattr(torch, spec.get("dtype", "float32"))
     # Big shapes initialise on the GPU when there is one (minutes on a CPU); tiny ones on the CPU.
-    device = "cuda" if torch.cuda.is_available() and spec["hidden_size"] >= 1024 else "cpu"
+    device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -125,6 +144,54 @@ def materialise_random_init(spec: dict[str, Any], cache: Path) -> Path:
     del model
     install_dir_once(tmp, final)
     return final
+
+
+# -------------------------------------------------------------------------------------------- vocabulary
+def _config_vocab_size(model_dir: str | Path) -> int:
+    conf = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(conf.get("text_config", conf)["vocab_size"])
+
+
+def model_vocab_size(path: str | Path, model_cfg: Any) -> int | None:
+    """The embedding rows of the model at `path` (a local directory or a hub id), from its config only."""
+    if (Path(path) / "config.json").is_file():
+        return _config_vocab_size(path)
+    from transformers import AutoConfig
+
+    conf = AutoConfig.from_pretrained(path, revision=model_cfg.revision,
+                                      trust_remote_code=bool(model_cfg.trust_remote_code))
+    return getattr(conf.get_text_config(), "vocab_size", None)
+
+
+def check_vocabulary(preset: str, tokenizer: Any, vocab_size: int) -> None:
+    """Every id the tokenizer (and its chat template) can produce must index the model's embedding; otherwise
+    one line, before any model code runs (on a GPU the embedding lookup dies with a device-side assert)."""
+    size = len(tokenizer)
+    highest = max([*tokenizer.get_vocab().values(), size - 1])
+    fix = (f"use a tokenizer of at most {vocab_size:,} ids (model.random_init.tokenizer_dir=... or model.path=...) "
+           f"or a model whose vocab_size is at least {highest + 1:,}")
+    if highest >= vocab_size:
+        raise ReprotuneError(f"model '{preset}': the tokenizer has {size:,} ids (highest {highest:,}) but the model's "
+                             f"vocab_size is {vocab_size:,}: {fix}")
+    for name in ("eos", "pad"):
+        token = getattr(tokenizer, f"{name}_token")
+        token_id = getattr(tokenizer, f"{name}_token_id")
+        if name == "pad" and token is None:
+            token, token_id = tokenizer.eos_token, tokenizer.eos_token_id  # load_tokenizer pads with eos
+        if token is None or token_id is None:
+            raise ReprotuneError(f"model '{preset}': the tokenizer ({size:,} ids) has no {name} token "
+                                 f"(model vocab_size {vocab_size:,}); set one in its tokenizer_config.json")
+    if getattr(tokenizer, "chat_template", None):
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"}]
+        try:
+            ids = tokenizer.apply_chat_template(probe, tokenize=True)
+        except Exception:  # noqa: BLE001 - a template without a system role: prepare names that, not this check
+            return
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if ids and max(ids) >= vocab_size:
+            raise ReprotuneError(f"model '{preset}': the chat template renders id {max(ids):,}, the tokenizer has "
+                                 f"{size:,} ids and the model's vocab_size is {vocab_size:,}: {fix}")
 
 
 def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
@@ -137,7 +204,7 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
         return str(materialise_builtin(_plain(model_cfg.builtin), cache))
     if source == "random_init":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return str(materialise_random_init(_plain(model_cfg.random_init), cache))
+        return str(materialise_random_init(_plain(model_cfg.random_init), cache, str(model_cfg.name)))
     if source in ("hub", "local"):
         if model_cfg.path is None:
             raise ReprotuneError(f"model '{model_cfg.name}': set model.path to a hub id or a local directory")
@@ -202,6 +269,28 @@ def load_peft_model(adapter_dir: str | Path, cache: str | Path, dtype: str = "fl
     return PeftModel.from_pretrained(base, adapter_dir)
 
 
+# ----------------------------------------------------------------------------------- training chat template
+def training_chat_template(model_cfg: Any, tokenizer: Any, assistant_only_loss: bool) -> str | None:
+    """The template training renders with: model.training_chat_template, else (assistant-only loss on a template
+    without {% generation %} markers) the copy TRL patches in (trl/chat_templates/*_training.jinja), else the
+    tokenizer's own (None). A template TRL cannot patch stops here with one line naming the fix, not inside
+    SFTTrainer."""
+    if model_cfg.get("training_chat_template"):
+        return Path(str(model_cfg.training_chat_template)).read_text()
+    if not assistant_only_loss:
+        return None
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:
+        raise ReprotuneError(
+            f"model '{model_cfg.name}': model.training_chat_template: null, but TRL has no training copy of this "
+            "model's chat template (no {% generation %} markers for assistant-only loss); set "
+            "model.training_chat_template=<the template with {% generation %} around each assistant reply> "
+            "(see conf/chat_templates/chatml_training.jinja) or train.assistant_only_loss=false") from None
+
+
 # ------------------------------------------------------------------------------------------------ loaders
 def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
     """A tokenizer from a base model (model_cfg given: its revision, trust_remote_code, and model.chat_template
@@ -215,6 +304,10 @@ def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if model_cfg is not None and model_cfg.chat_template:
         tokenizer.chat_template = Path(model_cfg.chat_template).read_text()
+    if model_cfg is not None:  # a base model: its embedding must hold every id (before pad falls back to eos)
+        vocab = model_vocab_size(path, model_cfg)
+        if vocab is not None:
+            check_vocabulary(str(model_cfg.name), tokenizer, vocab)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

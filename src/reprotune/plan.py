@@ -39,6 +39,10 @@ GIB = 2**30
 PLAN_DIR = CONF_DIR / "plan"
 # The SmolLM2 tokenizer that random_init presets take from the built-in model (len(tokenizer))
 BUILTIN_TOKENIZER_VOCAB = 49152
+# model_type (config.json / a preset's model_type) -> what its decoder layers add to a Llama layer: per-head q/k
+# RMSNorm (qk_norm) and norms per layer (Gemma 3's sandwich norms: 4)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2")
+NORMS_PER_LAYER = {"gemma3": 4, "gemma3_text": 4, "gemma2": 4}
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -62,6 +66,9 @@ class Shape:
     vocab: int
     tied: bool
     source: str
+    model_type: str = "llama"
+    qk_norm: bool = False       # Qwen3, Gemma 3: q_norm/k_norm over each head (weights and saved activations)
+    norms_per_layer: int = 2
 
     @property
     def q_dim(self) -> int:
@@ -78,9 +85,10 @@ class Shape:
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def shape_from_config(conf: dict[str, Any], source: str) -> Shape:
-    """From a config.json-like mapping (Llama/Qwen/Mistral keys)."""
+def shape_from_config(conf: dict[str, Any], source: str, model_type: str | None = None) -> Shape:
+    """From a config.json-like mapping (Llama/Qwen/Mistral/Gemma keys); model_type from the mapping or given."""
     conf = conf.get("text_config", conf)
+    model_type = str(conf.get("model_type") or model_type or "llama")
     try:
         hidden, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
         return Shape(hidden=hidden, intermediate=int(conf["intermediate_size"]),
@@ -88,7 +96,8 @@ def shape_from_config(conf: dict[str, Any], source: str) -> Shape:
                      kv_heads=int(conf.get("num_key_value_heads") or heads),
                      head_dim=int(conf.get("head_dim") or hidden // heads),
                      vocab=int(conf.get("vocab_size") or BUILTIN_TOKENIZER_VOCAB),
-                     tied=bool(conf.get("tie_word_embeddings", False)), source=source)
+                     tied=bool(conf.get("tie_word_embeddings", False)), source=source, model_type=model_type,
+                     qk_norm=model_type in QK_NORM_TYPES, norms_per_layer=NORMS_PER_LAYER.get(model_type, 2))
     except KeyError as err:
         raise PlanError(f"{source}: architecture: missing {err.args[0]}") from None
 
@@ -101,11 +110,17 @@ def model_shape(model_cfg: Any) -> Shape:
         return shape_from_config(json.loads((Path(path) / "config.json").read_text()), f"{path}/config.json")
     if model.get("source") == "random_init":
         spec = dict(model["random_init"])
-        spec.setdefault("tie_word_embeddings", True)  # as reprotune.models.materialise_random_init builds it
-        spec["vocab_size"] = (model.get("architecture") or {}).get("vocab_size", BUILTIN_TOKENIZER_VOCAB)
-        return shape_from_config(spec, f"conf/model/{model['name']}.yaml: random_init")
+        if spec.get("architecture") is not None:  # what reprotune.models.random_init_config builds
+            arch = dict(spec["architecture"])
+            arch["vocab_size"] = arch.get("vocab_size") or BUILTIN_TOKENIZER_VOCAB  # null: the tokenizer's ids
+            return shape_from_config(arch, f"conf/model/{model['name']}.yaml: random_init.architecture",
+                                     spec.get("model_type"))
+        spec.setdefault("tie_word_embeddings", True)  # the flat form: a tied Llama with the tokenizer's vocabulary
+        spec["vocab_size"] = BUILTIN_TOKENIZER_VOCAB
+        return shape_from_config(spec, f"conf/model/{model['name']}.yaml: random_init", "llama")
     if model.get("architecture"):
-        return shape_from_config(dict(model["architecture"]), f"conf/model/{model['name']}.yaml: architecture")
+        return shape_from_config(dict(model["architecture"]), f"conf/model/{model['name']}.yaml: architecture",
+                                 model.get("model_type"))
     raise PlanError(f"conf/model/{model.get('name')}.yaml: architecture: missing; add the model's config.json numbers "
                     "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
                     "vocab_size, tie_word_embeddings) or set model.path to a local directory with a config.json")
@@ -123,7 +138,7 @@ class Params:
 def count_params(shape: Shape, targets: list[str], r: int, dora: bool) -> Params:
     dims = shape.module_dims()
     per_layer_linear = sum(i * o for i, o in dims.values())
-    norms = 2 * shape.hidden + (2 * shape.head_dim if shape.head_dim != shape.hidden // shape.heads else 0)
+    norms = shape.norms_per_layer * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0)
     embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
     total = shape.layers * (per_layer_linear + norms) + embeddings + shape.hidden
     chosen = [m for m in LINEAR_MODULES if m in targets] if targets != ["all-linear"] else list(LINEAR_MODULES)
@@ -263,6 +278,9 @@ def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) ->
         per_token += a["liger"]["h_delta"] * shape.hidden + a["liger"]["i_delta"] * shape.intermediate
     if s.mask_repeats_kv:
         per_token += a["gqa_mask_coef"] * (shape.q_dim - shape.kv_dim)
+    if shape.qk_norm:  # q_norm/k_norm keep their input (+ an fp32 copy without Liger's RMSNorm)
+        qk = a["qk_norm"]
+        per_token += (qk["coef"] + (qk["liger_delta"] if s.liger else 0.0)) * (shape.q_dim + shape.kv_dim)
     return per_token * s.dtype_bytes / 2
 
 
@@ -588,6 +606,11 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
                    "upload changes your run (set model.revision=<40-hex sha>)")
     if model.get("gated") and not local and not (os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")):
         out.append(f"{model.path} is gated and HF_TOKEN is not set in the environment: the download will fail")
+    builtin_tokenizer = model.source == "random_init" and not model.random_init.get("tokenizer_dir")
+    vocab = model_shape(model).vocab
+    if builtin_tokenizer and vocab < BUILTIN_TOKENIZER_VOCAB:  # what make train's vocabulary check will stop on
+        out.append(f"model '{model.name}': the built-in tokenizer has {BUILTIN_TOKENIZER_VOCAB:,} ids but the model's "
+                   f"vocab_size is {vocab:,}: make train stops (give it a tokenizer of at most {vocab:,} ids)")
     if data is None:
         out.append(f"{cfg.paths.prepared}: no prepared data (run make prepare); memory assumes full-length "
                    "examples, and no time or cost without token counts")
