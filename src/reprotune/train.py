@@ -3,7 +3,8 @@
     python -m reprotune.train [hydra overrides]      # == make train ARGS="..."
 
 Reads  data/prepared/train.jsonl and the configured base model.
-Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json,
+Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json (numbers
+       only: DVC's metrics file), outputs/train/loss_curves.json (per-step train/eval loss),
        outputs/train/loss.png and outputs/train/manifest.json. Checkpoints go to outputs/checkpoints/ and
        an interrupted run resumes from the last one (train.run.resume=auto).
 
@@ -459,8 +460,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "global_step": int(trainer.state.global_step),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
         "mean_train_loss": mean_loss(curves["train"]),
-        "train_loss_curve": curves["train"],
-        "eval_loss_curve": curves["eval"],
         "train_examples": len(rows),
         "validation_examples": len(val_rows),
         "assistant_tokens": masked,
@@ -471,7 +470,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.train_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template, state_dict)
-    mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: no timings in here
+    mf.write_json(out_dir / "metrics.json", metrics)  # numbers only (DVC's metrics file); no timings: deterministic
+    # [[step, loss], ...] per split: an output, not a metric (dvc metrics diff compares the final and mean loss)
+    mf.write_json(out_dir / "loss_curves.json", {"train": curves["train"], "eval": curves["eval"]})
     plot_loss(curves, out_dir / "loss.png")
 
     root = Path(cfg.paths.root)
@@ -492,6 +493,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                                   "files": model_files}},
         "outputs": {"adapter": mf.path_record(adapter_dir, root),
                     "metrics": mf.path_record(out_dir / "metrics.json", root),
+                    "loss_curves": mf.path_record(out_dir / "loss_curves.json", root),
                     "loss_plot": mf.path_record(out_dir / "loss.png", root)},
         "timing": {"wall_seconds": round(time.time() - started, 2), "train_seconds": round(train_seconds, 2),
                    "tokens_per_second": round((tokens_seen - tokens_before) / train_seconds, 1)
