@@ -97,7 +97,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         gradient_accumulation_steps=accum,
         packing=fast.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
-        use_liger_kernel=fast.liger,
+        use_liger_kernel=False,  # Liger is applied by apply_liger (TRL deprecates this switch)
         chat_template_path=cfg.model.training_chat_template,
         logging_first_step=True,
         save_strategy="steps",
@@ -121,6 +121,19 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         **distributed.trainer_arguments(cfg, world_size),
     )
     return SFTConfig(**keys)
+
+
+def apply_liger(model, active: bool) -> None:
+    """Liger's layer kernels (RMSNorm, SwiGLU, RoPE) on the model, exactly what TRL 1.16's use_liger_kernel=True
+    makes the Trainer do at the start of train(): transformers' apply_liger_kernel with the fused linear
+    cross-entropy off (it would replace the forward that computes the loss). Called here because TRL deprecates
+    that switch for Hub kernels (model_init_kwargs={"use_kernels": True}), which need the `kernels` package and
+    a Hub download: neither is in the lock nor offline."""
+    if not active:
+        return
+    from transformers.integrations.liger import apply_liger_kernel
+
+    apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
 def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any]:
@@ -442,6 +455,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
           fused_lora(trainer.model, active=fast.fused_lora) as fused_layers):
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
+        apply_liger(trainer.model, active=fast.liger)
         trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
     # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
