@@ -6,7 +6,7 @@
 Reads   data.path (a file or a folder of .jsonl/.json files) in any supported format (reprotune.formats)
 Writes  data/prepared/train.jsonl, holdout.jsonl    one {"messages": [...]} per line (what train/eval read)
         data/prepared/metrics.json                  numbers only, what 'dvc metrics diff' compares: counts, token
-                                                    lengths, roles, near-duplicates, PII replacements
+                                                    lengths, near-duplicates, PII replacements
         data/prepared/report.json                   the report: counts, token lengths, roles, near-duplicates, policy
         data/prepared/pii_report.json               PII found per entity type (counts only, never values), detector
         data/prepared/lengths.png                   token length histogram against data.max_length
@@ -268,20 +268,20 @@ def distribution(values: list[int]) -> dict[str, float]:
 
 def prepare_metrics(report: dict[str, Any], pii_report: dict[str, Any]) -> dict[str, Any]:
     """metrics.json: the numbers of report.json and pii_report.json worth comparing between two versions of the
-    data (DVC's metrics file); names, policies, package versions and the near-duplicate pairs stay in the reports."""
+    data (DVC's metrics file), few enough for 'dvc metrics show' to read as a table; names, policies, package
+    versions, role counts, per-entity PII counts and the near-duplicate pairs stay in the reports."""
     examples = report["examples"]
     out: dict[str, Any] = {
         "examples": {k: examples[k] for k in ("read", "duplicates_dropped", "train", "holdout", "rejected",
                                               "with_tools")},
         "overlong": {k: examples["overlong"][k] for k in ("count", "dropped", "truncated")},
-        "tokens": {split: report["tokens"][split] for split in ("train", "holdout")},
-        "roles": report["roles"],
+        "tokens": {split: {k: v for k, v in report["tokens"][split].items() if k in ("mean", "p50", "p90", "max",
+                                                                                    "total")}
+                   for split in ("train", "holdout")},
         "near_duplicates": report["near_duplicates"]["count"],
     }
     if "entities" in pii_report:  # data.scrub=false: nothing was looked for, so nothing to count
-        out["pii"] = {"examples_changed": pii_report["examples_changed"],
-                      "replacements": pii_report["total_replacements"],
-                      "by_entity": {name: e["replacements"] for name, e in pii_report["entities"].items()}}
+        out["pii"] = {"examples_changed": pii_report["examples_changed"], "replacements": pii_report["total_replacements"]}
     return out
 
 
