@@ -16,6 +16,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
+# make test / test-all run on every core (at most 4 workers); tests/conftest.py keeps each module on one worker and
+# builds the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
+PYTEST_XDIST ?= -n auto --maxprocesses=4 --dist loadgroup
 export REPROTUNE_LOCK_VARIANT := $(VARIANT)
 # Runs are offline unless a model preset needs the hub; tokenizers' thread pool is off for determinism.
 export TOKENIZERS_PARALLELISM := false
@@ -75,12 +78,12 @@ train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODE
 	$(call stage,train)
 
 .PHONY: test
-test: venv data ## The fast lane (<= 5 min on 2 cores): unit + fast integration tests; no llama.cpp build, no image
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+test: venv data ## The fast lane (<= 3 min on 2 cores): unit + fast integration tests; no llama.cpp build, no image
+	$(PY) -m pytest -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 .PHONY: test-all
 test-all: venv data llama-cpp ## The whole suite (what .ci/run runs): + llama.cpp export, DVC pipelines, images, resumes
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 .PHONY: test-smoke
 test-smoke: venv data ## A short train on the tiny random model (seconds)

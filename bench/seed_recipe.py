@@ -158,7 +158,7 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) 
     metrics = json.loads((root / "outputs/train/metrics.json").read_text())
     t = manifest["timing"]
     return {"tokens_per_s": t["tokens_per_second"], "steady_tokens_per_s": t["steady_tokens_per_second"],
-            "mfu": t["mfu"], "final_loss": metrics["train_loss_curve"][-1][1], "peak_gib": t["peak_gpu_memory_gib"],
+            "mfu": t["mfu"], "final_loss": metrics["final_train_loss"], "peak_gib": t["peak_gpu_memory_gib"],
             "reserved_gib": t["peak_gpu_reserved_gib"], "steps": metrics["global_step"],
             "tokens_seen": metrics["tokens_seen"], "step_seconds": t["step_seconds"],
             "fast_path": manifest["fast_path"], "adapter_sha256": manifest["outputs"]["adapter"]["sha256"],

@@ -27,7 +27,7 @@ def run(model: str, method: str, overrides: list[str], root: Path) -> dict:
     subprocess.run(cmd, check=True)
     manifest = json.loads((out / "outputs/train/manifest.json").read_text())
     metrics = json.loads((out / "outputs/train/metrics.json").read_text())
-    curve = metrics["train_loss_curve"]
+    curve = json.loads((out / "outputs/train/loss_curves.json").read_text())["train"]
     return {
         "model": model, "method": method, "device": manifest["device"], "dtype": manifest["dtype"],
         "gpu": (manifest["hardware"]["gpus"] or [{"name": "-"}])[0]["name"],

@@ -1,13 +1,22 @@
 """Shared fixtures: a temporary workspace (paths.root) with a small prepared invoice dataset, and one short
-training run of the built-in SmolLM2 that the slow tests on the real model share."""
+training run of the built-in SmolLM2 that the slow tests on the real model share.
+
+The suite runs on every core (make test / make test-all: pytest-xdist, --dist loadgroup). Two rules keep that safe:
+a module's tests stay on one worker (each gets xdist_group=<module> unless it names a group), so module-scoped
+fixtures (an sshd, a Docker image, a DVC repository) are built once and never raced; and a run shared across
+modules (built_once) is built by the first worker that needs it, under a file lock, in the session's common
+temporary folder, and read by the others."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,6 +42,40 @@ def small_invoices(root: Path) -> None:
     write_jsonl(root / "data/raw/invoices.jsonl", rows)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under --dist loadgroup, keep each module on one worker (its module-scoped fixtures run once)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
+def session_dir(factory: pytest.TempPathFactory) -> Path:
+    """The temporary folder every xdist worker of this session shares (each worker's basetemp is a child)."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
+        yield
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """session_dir/name, built by build(root) once per session whichever worker asks first; the others wait for
+    it. A build that failed leaves no marker, so the next worker to ask builds it again (and fails the same way)."""
+    root = session_dir(factory) / name
+    with file_lock(root.with_name(f"{name}.lock")):
+        if not (root / ".built").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            build(root)
+            (root / ".built").touch()
+    return root
+
+
 @pytest.fixture
 def workspace(tmp_path: Path) -> tuple[Path, list[str]]:
     """tmp_path as paths.root, holding 32 train and 8 holdout invoices; returns (root, overrides)."""
@@ -48,12 +91,14 @@ SMOLLM2_TRAIN = ["train.max_steps=12", "train.logging_steps=1", "train.per_devic
 @pytest.fixture(scope="session")
 def smollm2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """One short run of the built-in SmolLM2 as 'make train' runs it (the CLI, in its own process) on the workspace
-    invoices, trained once per session for the slow tests on the real model (test_e2e_smollm2, test_eval,
+    invoices, trained once per session (whichever xdist worker asks first) for the slow tests on the real model (test_e2e_smollm2, test_eval,
     test_export_smollm2). Read-only: a test that writes under paths.root works on copy_run(...)."""
-    root = tmp_path_factory.mktemp("smollm2-run")
-    small_invoices(root)
-    cmd = [sys.executable, "-m", "reprotune.train", f"paths.root={root}", *SMOLLM2_TRAIN]
-    subprocess.run(cmd, check=True, timeout=1800)
+    def build(root: Path) -> None:
+        small_invoices(root)
+        cmd = [sys.executable, "-m", "reprotune.train", f"paths.root={root}", *SMOLLM2_TRAIN]
+        subprocess.run(cmd, check=True, timeout=1800)
+
+    root = built_once(tmp_path_factory, "smollm2-run", build)
     return root, [f"paths.root={root}"]
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from reprotune.config import compose
 
-from .conftest import TINY_TRAIN, write_jsonl
+from .conftest import TINY_TRAIN, built_once, write_jsonl
 
 # a higher learning rate than the train tests use, so 3 steps visibly change the tiny model's replies
 TINY_ADAPTER_TRAIN = [*TINY_TRAIN, "train.learning_rate=1e-2"]
@@ -28,15 +28,17 @@ TINY_EVAL = ["model=tiny_random", "eval.max_new_tokens=24", "eval.batch_size=4",
 @pytest.fixture(scope="session")
 def tiny_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """paths.root with 32 train / 8 holdout invoices and a 3-step tiny_random adapter in outputs/adapter."""
-    from reprotune.invoices import generate
-    from reprotune.train import train
+    def build(root: Path) -> None:
+        from reprotune.invoices import generate
+        from reprotune.train import train
 
-    root = tmp_path_factory.mktemp("eval-root")
-    rows = generate(40, seed=7)
-    write_jsonl(root / "data/prepared/train.jsonl", rows[:32])
-    write_jsonl(root / "data/prepared/holdout.jsonl", rows[32:])
-    train(compose([*TINY_ADAPTER_TRAIN, f"paths.root={root}"]))
-    return root
+        rows = generate(40, seed=7)
+        write_jsonl(root / "data/prepared/train.jsonl", rows[:32])
+        write_jsonl(root / "data/prepared/holdout.jsonl", rows[32:])
+        train(compose([*TINY_ADAPTER_TRAIN, f"paths.root={root}"]))
+
+    # shared by every xdist worker; each test evaluates into its own paths.eval_dir under it
+    return built_once(tmp_path_factory, "eval-root", build)
 
 
 def eval_overrides(root: Path, eval_dir: str, *extra: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""One tiny train -> merge -> gguf run shared by the export tests (built once per pytest session)."""
+"""One tiny train -> merge -> gguf run shared by the export tests (built once per pytest session, whichever xdist
+worker asks first; the others wait on its lock)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from reprotune.config import compose
 
-from .conftest import TINY_TRAIN, write_jsonl
+from .conftest import TINY_TRAIN, file_lock, session_dir, write_jsonl
 
 # a few steps at a high learning rate: the adapter must move the logits visibly, or merge parity is vacuous
 EXPORT_TRAIN = [*TINY_TRAIN, "train.learning_rate=0.01"]
@@ -49,12 +50,13 @@ def stage(root: Path, name: str) -> None:
 
 
 def tiny_export(factory: pytest.TempPathFactory, upto: str) -> tuple[Path, list[str]]:
-    root = factory.getbasetemp() / "tiny-export"
-    if not (root / "overrides.json").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "overrides.json").write_text(json.dumps(tiny_workspace(root)))
-    for name in ("train", "merge", "gguf"):
-        stage(root, name)
-        if name == upto:
-            break
+    root = session_dir(factory) / "tiny-export"
+    with file_lock(root.with_name("tiny-export.lock")):
+        if not (root / "overrides.json").exists():
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "overrides.json").write_text(json.dumps(tiny_workspace(root)))
+        for name in ("train", "merge", "gguf"):
+            stage(root, name)
+            if name == upto:
+                break
     return root, json.loads((root / "overrides.json").read_text())

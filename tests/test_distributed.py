@@ -59,7 +59,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 def _curve(manifest: dict) -> list[tuple[int, float]]:
     root = Path(manifest["config"]["paths"]["root"])
-    return json.loads((root / "outputs/train/metrics.json").read_text())["train_loss_curve"]
+    return json.loads((root / "outputs/train/loss_curves.json").read_text())["train"]
 
 
 @pytest.mark.slow

@@ -196,6 +196,33 @@ def test_editing_conf_reruns_only_what_changed(v1: dict, v2: dict) -> None:
         {k: v for k, v in v1["hashes"].items() if k.startswith("data/")}
 
 
+def test_metrics_show_and_diff_print_numbers(repo: tuple[Path, dict], v1: dict, v2: dict) -> None:
+    """What a DVC user compares two runs with: every metric a number, and v1 -> v2 (another learning rate)
+    shows up as a change of the tuned model's holdout loss."""
+    root, env = repo
+    dvc = str(VENV_BIN / "dvc")
+    def last_json(out: str) -> dict:  # sh() returns stdout + stderr; DVC prints the JSON on one line
+        return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+    shown = last_json(sh([dvc, "metrics", "show", "--json"], root, env))
+    files = shown["workspace"]["data"] if "workspace" in shown else shown[next(iter(shown))]["data"]
+    assert set(files) == {"data/prepared/metrics.json", "outputs/train/metrics.json", "outputs/eval/metrics.json"}
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        return {k2: v2 for k, v in d.items()
+                for k2, v2 in (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
+
+    for name, entry in files.items():
+        values = flat(entry["data"])
+        assert values and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values.values()), \
+            (name, {k: v for k, v in values.items() if not isinstance(v, int | float) or isinstance(v, bool)})
+    diff = last_json(sh([dvc, "metrics", "diff", "v1", "v2", "--json"], root, env))
+    # two steps with warmup: the logged train loss is the same, the adapters (and the holdout loss) are not
+    tuned = diff["outputs/eval/metrics.json"]["tuned.loss"]
+    assert tuned["old"] != tuned["new"] and tuned["diff"] == pytest.approx(tuned["new"] - tuned["old"])
+    assert "data/prepared/metrics.json" not in diff  # the data did not change between v1 and v2
+
+
 def test_ssh_push_wipe_pull_and_old_version(repo: tuple[Path, dict], v1: dict, v2: dict, sshd: dict) -> None:
     root, env = repo
     dvc = str(VENV_BIN / "dvc")

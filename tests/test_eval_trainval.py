@@ -25,9 +25,10 @@ def test_eval_steps_logs_eval_loss_on_a_split_of_train(workspace: tuple[Path, li
                             "train.run.val_fraction=0.25"]))
 
     metrics = json.loads((root / "outputs/train/metrics.json").read_text())
-    assert [step for step, _ in metrics["eval_loss_curve"]] == [1, 2]
-    assert all(math.isfinite(loss) and loss > 0 for _, loss in metrics["eval_loss_curve"])
-    assert len(metrics["train_loss_curve"]) == 2
+    curves = json.loads((root / "outputs/train/loss_curves.json").read_text())
+    assert [step for step, _ in curves["eval"]] == [1, 2]
+    assert all(math.isfinite(loss) and loss > 0 for _, loss in curves["eval"])
+    assert len(curves["train"]) == 2
 
     # the validation split is drawn from train.jsonl, by content, and is what training did not see
     rows = [json.loads(line) for line in train_file.read_text().splitlines()]
@@ -45,7 +46,7 @@ def test_eval_steps_logs_eval_loss_on_a_split_of_train(workspace: tuple[Path, li
     assert with_eval[:8] == b"\x89PNG\r\n\x1a\n"
     from reprotune.train import loss_curves, plot_loss
 
-    plot_loss(loss_curves([{"step": s, "loss": v} for s, v in metrics["train_loss_curve"]]), root / "train_only.png")
+    plot_loss(loss_curves([{"step": s, "loss": v} for s, v in curves["train"]]), root / "train_only.png")
     assert (root / "train_only.png").read_bytes() != with_eval
 
 
@@ -53,5 +54,6 @@ def test_no_eval_steps_means_no_validation_split(workspace: tuple[Path, list[str
     root, overrides = workspace
     train(compose([*TINY_TRAIN, *overrides, "train.max_steps=1"]))
     metrics = json.loads((root / "outputs/train/metrics.json").read_text())
-    assert metrics["eval_loss_curve"] == [] and metrics["validation_examples"] == 0
+    assert json.loads((root / "outputs/train/loss_curves.json").read_text())["eval"] == []
+    assert metrics["validation_examples"] == 0
     assert metrics["train_examples"] == 32

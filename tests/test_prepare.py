@@ -17,7 +17,8 @@ from reprotune.invoices import generate
 from reprotune.prepare import example_key, prepare
 from tests.conftest import write_jsonl
 
-OUTPUTS = ("train.jsonl", "holdout.jsonl", "report.json", "pii_report.json", "lengths.png", "rejected.jsonl")
+OUTPUTS = ("train.jsonl", "holdout.jsonl", "report.json", "pii_report.json", "metrics.json", "lengths.png",
+           "rejected.jsonl")
 
 
 def run(root: Path, *overrides: str) -> dict:

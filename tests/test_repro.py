@@ -58,7 +58,7 @@ def test_train_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixture)
 def test_prepare_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixture) -> None:
     code, report = verify(run / "data/prepared/manifest.json", capsys=capsys)
     assert report["outputs"] == {name: "identical" for name in
-                                 ("train", "holdout", "report", "pii_report", "lengths_plot")}
+                                 ("train", "holdout", "report", "pii_report", "metrics", "lengths_plot")}
     assert code == 0 and report["inputs_differ"] == {}
 
 

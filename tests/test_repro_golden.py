@@ -33,9 +33,8 @@ def golden_run(root: Path) -> dict:
     (root / "data/prepared").mkdir(parents=True)
     (root / "data/prepared/train.jsonl").write_bytes(DATA.read_bytes())
     record = train(compose([*RUN, f"paths.root={root}"]))
-    metrics = json.loads((root / "outputs/train/metrics.json").read_text())
-    return {"overrides": RUN, "loss": [loss for _, loss in metrics["train_loss_curve"]],
-            "steps": [step for step, _ in metrics["train_loss_curve"]],
+    curve = json.loads((root / "outputs/train/loss_curves.json").read_text())["train"]
+    return {"overrides": RUN, "loss": [loss for _, loss in curve], "steps": [step for step, _ in curve],
             "adapter_sha256": record["outputs"]["adapter"]["sha256"],
             "cpu": hardware_state()["cpu"], "packages": package_versions()["key"]}
 

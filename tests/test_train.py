@@ -45,7 +45,7 @@ def test_outputs_at_fixed_paths(tiny_run: tuple[Path, dict]) -> None:
         assert (adapter / name).is_file(), name
     assert "<|im_start|>" in (adapter / "chat_template.jinja").read_text()
     assert "{% generation %}" not in (adapter / "chat_template.jinja").read_text()  # inference template
-    for name in ("metrics.json", "loss.png", "manifest.json"):
+    for name in ("metrics.json", "loss_curves.json", "loss.png", "manifest.json"):
         assert (root / "outputs/train" / name).is_file(), name
     assert (root / "outputs/train/loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (root / "outputs/checkpoints").exists()  # a finished run leaves no checkpoints to resume
@@ -55,7 +55,7 @@ def test_metrics_and_manifest(tiny_run: tuple[Path, dict]) -> None:
     root, record = tiny_run
     metrics = json.loads((root / "outputs/train/metrics.json").read_text())
     assert metrics["global_step"] == 3
-    assert len(metrics["train_loss_curve"]) == 3
+    assert len(json.loads((root / "outputs/train/loss_curves.json").read_text())["train"]) == 3
     assert metrics["assistant_tokens"] > 0 and metrics["tokens_seen"] > metrics["train_examples"]
     manifest = json.loads((root / "outputs/train/manifest.json").read_text())
     assert manifest["config"]["model"]["name"] == "tiny_random"

@@ -32,6 +32,7 @@ HYDRA_ARGS = "--config-dir . --config-name params hydra.run.dir=. hydra.output_s
 NOT_PARAMS = ("paths",)
 
 
+# metrics files hold numbers only (what 'dvc metrics show/diff' print); reports and provenance are outs
 @dataclass
 class Stage:
     module: str
@@ -51,13 +52,15 @@ STAGES: dict[str, Stage] = {
                      ["${data.path}", *LOCKS],
                      ["data/prepared/train.jsonl", "data/prepared/holdout.jsonl",
                       "data/prepared/rejected.jsonl",  # data.on_invalid=skip: file, line, reason per skipped record
-                      "data/prepared/manifest.json"],
-                     ["data/prepared/report.json", "data/prepared/pii_report.json"],
+                      "data/prepared/manifest.json",
+                      # the reports (names, policies, package versions): outputs, not metrics
+                      "data/prepared/report.json", "data/prepared/pii_report.json"],
+                     ["data/prepared/metrics.json"],
                      ["data/prepared/lengths.png"]),
     # the launcher (torchrun for NPROC>1) runs reprotune.train in each process: NPROC etc. come from the environment
     "train": Stage("distributed", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",
                    ["data/prepared/train.jsonl", "conf/chat_templates", *LOCKS],
-                   ["outputs/adapter", "outputs/train/manifest.json"],
+                   ["outputs/adapter", "outputs/train/manifest.json", "outputs/train/loss_curves.json"],
                    ["outputs/train/metrics.json"], ["outputs/train/loss.png"]),
     "eval": Stage("evaluate", "Base vs fine-tuned on the holdout -> outputs/eval",
                   ["data/prepared/holdout.jsonl", "outputs/adapter", *LOCKS],

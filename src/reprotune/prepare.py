@@ -5,8 +5,10 @@
 
 Reads   data.path (a file or a folder of .jsonl/.json files) in any supported format (reprotune.formats)
 Writes  data/prepared/train.jsonl, holdout.jsonl    one {"messages": [...]} per line (what train/eval read)
-        data/prepared/report.json                   counts, token lengths, roles, near-duplicates
-        data/prepared/pii_report.json               PII found per entity type (counts only, never values)
+        data/prepared/metrics.json                  numbers only, what 'dvc metrics diff' compares: counts, token
+                                                    lengths, near-duplicates, PII replacements
+        data/prepared/report.json                   the report: counts, token lengths, roles, near-duplicates, policy
+        data/prepared/pii_report.json               PII found per entity type (counts only, never values), detector
         data/prepared/lengths.png                   token length histogram against data.max_length
 
 Steps, top to bottom: read and validate every file (all problems reported at once, nothing written on bad
@@ -343,6 +345,25 @@ def distribution(values: list[int]) -> dict[str, float]:
             "p90": pct(0.9), "p99": pct(0.99), "max": ordered[-1], "total": sum(values)}
 
 
+def prepare_metrics(report: dict[str, Any], pii_report: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json: the numbers of report.json and pii_report.json worth comparing between two versions of the
+    data (DVC's metrics file), few enough for 'dvc metrics show' to read as a table; names, policies, package
+    versions, role counts, per-entity PII counts and the near-duplicate pairs stay in the reports."""
+    examples = report["examples"]
+    out: dict[str, Any] = {
+        "examples": {k: examples[k] for k in ("read", "duplicates_dropped", "train", "holdout", "rejected",
+                                              "with_tools")},
+        "overlong": {k: examples["overlong"][k] for k in ("count", "dropped", "truncated")},
+        "tokens": {split: {k: v for k, v in report["tokens"][split].items() if k in ("mean", "p50", "p90", "max",
+                                                                                    "total")}
+                   for split in ("train", "holdout")},
+        "near_duplicates": report["near_duplicates"]["count"],
+    }
+    if "entities" in pii_report:  # data.scrub=false: nothing was looked for, so nothing to count
+        out["pii"] = {"examples_changed": pii_report["examples_changed"], "replacements": pii_report["total_replacements"]}
+    return out
+
+
 def plot_lengths(train: list[int], holdout: list[int], max_length: int, out: Path) -> None:
     import matplotlib
 
@@ -412,7 +433,8 @@ def write_manifest(cfg: DictConfig, out: Path) -> None:
         "inputs": {"raw_data": mf.path_record(Path(cfg.data.path), root)},
         "outputs": {name: mf.path_record(out / file, root) for name, file in
                     (("train", "train.jsonl"), ("holdout", "holdout.jsonl"), ("report", "report.json"),
-                     ("pii_report", "pii_report.json"), ("lengths_plot", "lengths.png"))},
+                     ("pii_report", "pii_report.json"), ("metrics", "metrics.json"),
+                     ("lengths_plot", "lengths.png"))},
     })
     mf.write_json(out / "manifest.json", record)
 
@@ -512,6 +534,7 @@ def prepare(cfg: DictConfig) -> dict:
         out / "rejected.jsonl": rejected_bytes(rejected),
         out / "report.json": (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
         out / "pii_report.json": (json.dumps(pii_report, indent=2, sort_keys=True) + "\n").encode(),
+        out / "metrics.json": (json.dumps(prepare_metrics(report, pii_report), indent=2, sort_keys=True) + "\n").encode(),
         out / "lengths.png": plot_tmp,
     })
     write_manifest(cfg, out)

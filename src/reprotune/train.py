@@ -3,7 +3,8 @@
     python -m reprotune.train [hydra overrides]      # == make train ARGS="..."
 
 Reads  data/prepared/train.jsonl and the configured base model.
-Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json,
+Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json (numbers
+       only: DVC's metrics file), outputs/train/loss_curves.json (per-step train/eval loss),
        outputs/train/loss.png and outputs/train/manifest.json. Checkpoints go to outputs/checkpoints/ and
        an interrupted run resumes from the last one (train.run.resume=auto).
 
@@ -96,7 +97,7 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         gradient_accumulation_steps=accum,
         packing=fast.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
-        use_liger_kernel=fast.liger,
+        use_liger_kernel=False,  # Liger is applied by apply_liger (TRL deprecates this switch)
         chat_template_path=cfg.model.training_chat_template,
         logging_first_step=True,
         save_strategy="steps",
@@ -120,6 +121,19 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         **distributed.trainer_arguments(cfg, world_size),
     )
     return SFTConfig(**keys)
+
+
+def apply_liger(model, active: bool) -> None:
+    """Liger's layer kernels (RMSNorm, SwiGLU, RoPE) on the model, exactly what TRL 1.16's use_liger_kernel=True
+    makes the Trainer do at the start of train(): transformers' apply_liger_kernel with the fused linear
+    cross-entropy off (it would replace the forward that computes the loss). Called here because TRL deprecates
+    that switch for Hub kernels (model_init_kwargs={"use_kernels": True}), which need the `kernels` package and
+    a Hub download: neither is in the lock nor offline."""
+    if not active:
+        return
+    from transformers.integrations.liger import apply_liger_kernel
+
+    apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
 def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any]:
@@ -442,6 +456,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
           fused_lora(trainer.model, active=fast.fused_lora) as fused_layers):
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
+        apply_liger(trainer.model, active=fast.liger)
         trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
     # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
@@ -460,8 +475,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "global_step": int(trainer.state.global_step),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
         "mean_train_loss": mean_loss(curves["train"]),
-        "train_loss_curve": curves["train"],
-        "eval_loss_curve": curves["eval"],
         "train_examples": len(rows),
         "validation_examples": len(val_rows),
         "assistant_tokens": masked,
@@ -472,7 +485,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.train_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template, state_dict)
-    mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: no timings in here
+    mf.write_json(out_dir / "metrics.json", metrics)  # numbers only (DVC's metrics file); no timings: deterministic
+    # [[step, loss], ...] per split: an output, not a metric (dvc metrics diff compares the final and mean loss)
+    mf.write_json(out_dir / "loss_curves.json", {"train": curves["train"], "eval": curves["eval"]})
     plot_loss(curves, out_dir / "loss.png")
 
     root = Path(cfg.paths.root)
@@ -493,6 +508,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                                   "files": model_files}},
         "outputs": {"adapter": mf.path_record(adapter_dir, root),
                     "metrics": mf.path_record(out_dir / "metrics.json", root),
+                    "loss_curves": mf.path_record(out_dir / "loss_curves.json", root),
                     "loss_plot": mf.path_record(out_dir / "loss.png", root)},
         "timing": {"wall_seconds": round(time.time() - started, 2), "train_seconds": round(train_seconds, 2),
                    "tokens_per_second": round((tokens_seen - tokens_before) / train_seconds, 1)
