@@ -5,6 +5,7 @@ Every stage that runs a model asks here, so `hardware=` and `repro=` mean the sa
 
 from __future__ import annotations
 
+import logging
 import os
 
 from omegaconf import DictConfig
@@ -30,10 +31,16 @@ def resolve_dtype(cfg: DictConfig, device: str) -> str:
 
 
 def set_reproducibility(cfg: DictConfig, device: str) -> None:
-    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU)."""
+    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU). The CPU
+    kernel level was fixed before torch loaded (reprotune.kernels): here it is only checked against the config."""
     import torch
     from transformers import set_seed
 
+    from reprotune import kernels
+
+    warning = kernels.check_mode(str(cfg.hardware.get("cpu_kernels", kernels.DEFAULT_MODE)))
+    if warning:
+        logging.getLogger("reprotune.runtime").warning(warning)
     if cfg.hardware.num_threads:
         torch.set_num_threads(int(cfg.hardware.num_threads))
     if cfg.repro == "strict":
