@@ -4,7 +4,8 @@ tests/golden/, exactly, on every CPU.
 An innocent-looking version bump (torch, transformers, trl, peft) or a refactor that changes training shows up
 here. There is no looser branch for "another CPU": the CPU kernels are pinned (hardware.cpu_kernels=pinned,
 reprotune/kernels.py) to one level every x86-64 CPU has, so an AVX-512 host, an AVX2 host, Intel or AMD, one
-thread or two, must all give the reference bytes; the child-process test below forces each kernel level this CPU
+thread or two in OMP_NUM_THREADS (a CPU run computes with hardware.num_threads, else 2), must all give the
+reference bytes; the child-process test below forces each kernel level this CPU
 can run and each thread count and checks exactly that.
 
 Intended change? Regenerate and commit the reference:
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.kernels import PINNED_THREADS
 from reprotune.manifest import cpu_state, package_versions
 from reprotune.train import train
 
@@ -113,14 +115,15 @@ def test_golden_bytes_under_every_kernel_level_and_thread_count(tmp_path: Path) 
     for i, env in enumerate(cases):
         got = child_run(tmp_path / f"pinned-{i}", env)
         where = f"with {env} on {got['cpu']!r}"
-        assert got["threads"] == int(env["OMP_NUM_THREADS"]), where
+        assert got["threads"] == PINNED_THREADS, where  # OMP_NUM_THREADS does not change the pinned count
         assert got["cpu_kernels"]["capability"] == "AVX2", where
         assert got["loss"] == ref["loss"], f"per-step loss moved {where}: {got['loss']} vs {ref['loss']}"
         assert got["adapter_sha256"] == ref["adapter_sha256"], f"adapter bytes moved {where}"
         if env.get("ATEN_CPU_CAPABILITY", "avx2") != "avx2":
             assert f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']} overridden to avx2" in got["stderr"]
     top = levels[-1]
-    native = child_run(tmp_path / "native", {"ATEN_CPU_CAPABILITY": top}, "hardware.cpu_kernels=native")
-    assert native["cpu_kernels"]["mode"] == "native"
+    native = child_run(tmp_path / "native", {"ATEN_CPU_CAPABILITY": top, "OMP_NUM_THREADS": "1"},
+                       "hardware.cpu_kernels=native")
+    assert native["cpu_kernels"]["mode"] == "native" and native["threads"] == 1
     assert native["cpu_kernels"]["capability"] == top.upper(), native["cpu_kernels"]
     assert native["cpu_kernels"]["env"]["MKL_CBWR"] is None, "native mode must leave MKL to the host"

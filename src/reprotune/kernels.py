@@ -43,6 +43,11 @@ PINNED: dict[str, dict[str, str]] = {
                "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell"},
     "aarch64": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "ASIMD", "OPENBLAS_CORETYPE": "ARMV8"},
 }
+# MKL's reproducible branches hold for a fixed thread count only (its work split follows the threads: 1 and 2
+# threads give different adapter bytes on the same CPU), so pinned mode also fixes torch's (and MKL's) threads
+# of a CPU run when hardware.num_threads does not: 2, which every supported host has; OMP_NUM_THREADS does not
+# change it.
+PINNED_THREADS = 2
 PINNED["amd64"] = PINNED["x86_64"]
 PINNED["arm64"] = PINNED["aarch64"]
 
@@ -56,25 +61,27 @@ def _all_pinned_names() -> set[str]:
     return {name for env in PINNED.values() for name in env}
 
 
+def config_file(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """(--config-dir, --config-name, the other arguments) of a Hydra command line (-cd/-cn, `=` forms too)."""
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    flags = {"--config-dir": "dir", "-cd": "dir", "--config-name": "name", "-cn": "name"}
+    args = iter(argv)
+    for arg in args:
+        flag, sep, value = arg.partition("=")
+        if flag in flags:
+            found[flags[flag]] = value if sep else next(args, "")
+        else:
+            rest.append(arg)
+    return found.get("dir"), found.get("name"), rest
+
+
 def _mode_from_config_file(argv: list[str]) -> str | None:
     """hardware.cpu_kernels from the primary config file Hydra is told to load (--config-dir/--config-name)."""
-    config_dir = config_name = None
-    for i, arg in enumerate(argv):
-        for flags, setter in ((("--config-dir", "-cd"), "dir"), (("--config-name", "-cn"), "name")):
-            for flag in flags:
-                value = None
-                if arg == flag and i + 1 < len(argv):
-                    value = argv[i + 1]
-                elif arg.startswith(flag + "="):
-                    value = arg.split("=", 1)[1]
-                if value is not None:
-                    if setter == "dir":
-                        config_dir = value
-                    else:
-                        config_name = value
-    if not config_dir or not config_name:
+    config_dir, config_name, _ = config_file(argv)
+    if not config_name:
         return None
-    path = Path(config_dir) / (config_name if config_name.endswith(".yaml") else config_name + ".yaml")
+    path = Path(config_dir or ".") / (config_name if config_name.endswith(".yaml") else config_name + ".yaml")
     try:
         import yaml
 
@@ -132,6 +139,13 @@ def pin_before_torch(argv: list[str], stream: Any = None) -> str:
         os.environ[USER_ENV] = json.dumps(user, sort_keys=True)
     os.environ[APPLIED_ENV] = mode
     return mode
+
+
+def thread_count(configured: int | None, mode: str) -> int | None:
+    """The CPU threads to compute with: hardware.num_threads, else PINNED_THREADS in pinned mode, else torch's."""
+    if configured:
+        return int(configured)
+    return PINNED_THREADS if mode == "pinned" else None
 
 
 def check_mode(configured: str) -> str | None:

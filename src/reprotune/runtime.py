@@ -38,11 +38,19 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
 
     from reprotune import kernels
 
-    warning = kernels.check_mode(str(cfg.hardware.get("cpu_kernels", kernels.DEFAULT_MODE)))
+    mode = str(cfg.hardware.get("cpu_kernels", kernels.DEFAULT_MODE))
+    warning = kernels.check_mode(mode)
     if warning:
         logging.getLogger("reprotune.runtime").warning(warning)
-    if cfg.hardware.num_threads:
-        torch.set_num_threads(int(cfg.hardware.num_threads))
+    # a GPU run's math is on the GPU: its CPU threads stay torch's unless hardware.num_threads says otherwise
+    threads = kernels.thread_count(cfg.hardware.num_threads, mode if device == "cpu" else "native")
+    if threads:
+        user = os.environ.get("OMP_NUM_THREADS")
+        if user and user != str(threads):
+            logging.getLogger("reprotune.runtime").info(
+                "OMP_NUM_THREADS=%s overridden: computing with %d threads (hardware.num_threads; the bytes depend on "
+                "it)", user, threads)
+        torch.set_num_threads(threads)
     if cfg.repro == "strict":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)
