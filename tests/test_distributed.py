@@ -69,6 +69,10 @@ def test_two_processes_keep_the_global_batch(runs: dict[str, dict]) -> None:
     assert "= 4 (configured global batch kept)" in two["distributed"]["global_batch"]
     assert runs["one"]["distributed"]["world_size"] == 1
     assert two["_log"].count("global batch 2 rows x 1 accumulation x 2 process(es)") >= 1
+    # torchrun's workers are pinned like a single process (they inherit the launcher's pin and pin again)
+    kernels = two["hardware"]["cpu_kernels"]
+    assert kernels["mode"] == "pinned" and kernels["capability"] == runs["one"]["hardware"]["cpu_kernels"]["capability"]
+    assert kernels["env"] == runs["one"]["hardware"]["cpu_kernels"]["env"] and kernels["env"]["ATEN_CPU_CAPABILITY"]
 
 
 @pytest.mark.slow
