@@ -21,6 +21,13 @@ from pathlib import Path
 
 import pytest
 
+# before anything imports torch: importing reprotune pins the CPU kernels (reprotune/kernels.py) for the tests
+# run in this process; the stages the tests start as subprocesses pin themselves
+import reprotune  # noqa: F401
+
+if os.environ.get("REPROTUNE_CPU_KERNELS") not in ("pinned", "native"):
+    raise RuntimeError("torch was imported before tests/conftest.py: the CPU kernels could not be pinned")
+
 REPO = Path(__file__).resolve().parents[1]
 os.chdir(REPO)  # stages resolve the model cache and chat templates relative to the repository
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -69,6 +69,10 @@ def test_two_processes_keep_the_global_batch(runs: dict[str, dict]) -> None:
     assert "= 4 (configured global batch kept)" in two["distributed"]["global_batch"]
     assert runs["one"]["distributed"]["world_size"] == 1
     assert two["_log"].count("global batch 2 rows x 1 accumulation x 2 process(es)") >= 1
+    # torchrun's workers are pinned like a single process (they inherit the launcher's pin and pin again)
+    kernels = two["hardware"]["cpu_kernels"]
+    assert kernels["mode"] == "pinned" and kernels["capability"] == runs["one"]["hardware"]["cpu_kernels"]["capability"]
+    assert kernels["env"] == runs["one"]["hardware"]["cpu_kernels"]["env"] and kernels["env"]["ATEN_CPU_CAPABILITY"]
 
 
 @pytest.mark.slow
@@ -141,3 +145,54 @@ def test_strategy_choice() -> None:
     assert args["fsdp"] == "full_shard auto_wrap" and args["fsdp_config"]["fsdp_version"] == 2
     with pytest.raises(ReprotuneError, match="hardware.distributed: must be auto, ddp or fsdp2, not 'zero3'"):
         distributed.trainer_arguments(compose(["hardware.distributed=zero3"]), 2)
+
+
+def _gpu_host(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """A host with `count` CUDA devices, as torch reports it (the only thing faked: torch's device query)."""
+    import torch
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def _dvc_train_args() -> list[str]:
+    """The arguments dvc.yaml's train stage passes to reprotune.distributed (what `make train` runs)."""
+    import shlex
+
+    import yaml
+
+    cmd = shlex.split(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train"]["cmd"])
+    assert cmd[:3] == ["python", "-m", "reprotune.distributed"], cmd
+    return cmd[3:]
+
+
+@pytest.mark.parametrize(("hardware", "expected"), [("gpu", 4), ("cpu", 1), ("auto", 1)])
+def test_nproc_reads_the_device_from_params_yaml_under_dvc(hardware: str, expected: int, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """make train ARGS="hardware=gpu": params.yaml is written from the ARGS, DVC runs the stage with
+    `--config-dir . --config-name params` only, and every GPU of the host gets a process."""
+    from reprotune.config import dump_params
+
+    dump_params([f"hardware={hardware}"], tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    _gpu_host(monkeypatch, 4)
+    args = _dvc_train_args()
+    assert not any(a.startswith("hardware") for a in args)  # the device comes from params.yaml alone
+    assert distributed.nproc(args) == expected
+    monkeypatch.setenv("NPROC", "2")
+    assert distributed.nproc(args) == 2  # NPROC still overrides
+
+
+def test_nproc_of_the_direct_module_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """python -m reprotune.distributed hardware=gpu: every GPU; hardware=cpu or a CPU-only host: one."""
+    _gpu_host(monkeypatch, 3)
+    assert distributed.nproc(["hardware=gpu", "model=tiny_random"]) == 3
+    assert distributed.nproc(["hardware=cpu"]) == 1
+    assert distributed.nproc(["hardware=gpu", "hardware.device=cpu"]) == 1
+    assert distributed.launch_command(["hardware=gpu"], distributed.nproc(["hardware=gpu"]))[3] == "--nproc_per_node=3"
+    _gpu_host(monkeypatch, 0)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.nproc(["hardware=gpu"]) == 1

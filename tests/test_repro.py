@@ -84,7 +84,7 @@ def test_changed_config_is_named(run: Path, capsys: pytest.CaptureFixture) -> No
     assert report["inputs_differ"]["config"] == ["data.holdout_fraction: 0.1 -> 0.5"]
     printed = main([str(run / "data/prepared/manifest.json"), "data.holdout_fraction=0.5"])
     out = capsys.readouterr().out
-    assert printed == 1 and "RESULT: different; recorded inputs that differ: config" in out
+    assert printed == 1 and "RESULT: different; first recorded difference: config data.holdout_fraction: 0.1 -> 0.5" in out
 
 
 def test_every_category_is_compared() -> None:
@@ -115,6 +115,32 @@ def test_every_category_is_compared() -> None:
     changed = json.loads(json.dumps(base))
     changed["outputs"]["adapter"] = {"sha256": "7" * 64, "files": {"a": "8"}}
     assert output_differences(base, changed) == {"adapter": "different (a)"}
+
+
+def test_another_host_names_the_first_difference(capsys: pytest.CaptureFixture) -> None:
+    """A run recorded on an AVX-512 host with native kernels, verified on this one (pinned, AVX2): the report
+    lists what the math ran on, the kernel level first, and the printed result names it."""
+    from reprotune.manifest import hardware_state
+    from reprotune.verify import print_report
+
+    here = {"hardware": hardware_state(), "outputs": {}}
+    there = json.loads(json.dumps(here))
+    there["hardware"]["cpu_kernels"].update(mode="native", capability="AVX512")
+    there["hardware"]["cpu_detail"]["isa"] = [*there["hardware"]["cpu_detail"]["isa"], "avx512_fake"]
+    there["hardware"]["cpu"] = "Some Other CPU"
+    differ = input_differences(there, here)
+    assert list(differ) == ["hardware"]
+    assert differ["hardware"][0] == f"cpu_kernels.mode: native -> {here['hardware']['cpu_kernels']['mode']}"
+    assert any(line.startswith("cpu_kernels.capability: AVX512 -> ") for line in differ["hardware"])
+    assert any(line.startswith("cpu: Some Other CPU -> ") for line in differ["hardware"])
+    print_report({"stage": "train", "manifest": "m.json", "outputs": {"adapter": "different"},
+                  "inputs_differ": differ, "identical": False})
+    out = capsys.readouterr().out
+    assert "RESULT: different; first recorded difference: hardware cpu_kernels.mode: native -> " in out
+    # the user's own overridden settings are informational: pinned mode replaced them, they are no difference
+    noisy = json.loads(json.dumps(here))
+    noisy["hardware"]["cpu_kernels"]["user_env_overridden"] = {"ATEN_CPU_CAPABILITY": "avx512"}
+    assert input_differences(noisy, here) == {}
 
 
 def test_bad_run_argument_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -170,3 +170,47 @@ def test_base_identity_maps_back_to_the_local_model() -> None:
     # a preset whose spec changed since the adapter was trained is refused, not silently swapped
     with pytest.raises(ReprotuneError, match="conf/model/tiny_random.yaml now describes random_init:tiny_random@"):
         resolve_base_identity("random_init:tiny_random@0000000000000000", tiny.paths.model_cache)
+
+
+def test_hub_preset_from_two_local_copies_gives_identical_adapters(tmp_path: Path) -> None:
+    """The README's `model=qwen3_8b model.path=/models/Qwen3-8B`, with the same (tiny) weights kept in two
+    different directories: the adapter names the hub id and revision, never the directory, so both runs write
+    the same bytes; the manifest records a digest of the weights loaded; merge's check finds the base again."""
+    import shutil
+
+    from reprotune.invoices import generate
+    from reprotune.merge import check_adapter
+    from reprotune.models import resolve_model_dir
+
+    from .conftest import write_jsonl
+
+    tiny = compose(["model=tiny_random"])
+    source = Path(resolve_model_dir(tiny.model, tiny.paths.model_cache))
+    rows = generate(16, seed=7)
+    records, trees = [], []
+    for name in ("hostA/models/Qwen3-8B", "hostB/weights/qwen"):
+        weights = tmp_path / name
+        shutil.copytree(source, weights, ignore=shutil.ignore_patterns("reprotune-source.json"))
+        root = tmp_path / f"run-{name.split('/')[0]}"
+        write_jsonl(root / "data/prepared/train.jsonl", rows)
+        cfg = compose(["model=qwen3_8b", f"model.path={weights}", "model.revision=0123abc", "hardware=cpu",
+                       "model.training_chat_template=conf/chat_templates/chatml_training.jinja",
+                       *TINY_TRAIN[1:], "train.max_steps=1", f"paths.root={root}"])
+        records.append(train(cfg))
+        adapter = root / "outputs/adapter"
+        trees.append(sha256_tree(adapter))
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert (config["base_model_name_or_path"], config["revision"]) == ("Qwen/Qwen3-8B", "0123abc")
+        assert str(tmp_path) not in (adapter / "adapter_config.json").read_text()
+        check_adapter(adapter, cfg.model)  # make merge / make eval: the base is found through model.path
+    assert trees[0] == trees[1]
+    digests = [r["inputs"]["base_model"]["sha256"] for r in records]
+    assert digests[0] == digests[1] and digests[0] == tree_digest(sha256_tree(tmp_path / "hostA/models/Qwen3-8B"))
+
+
+def test_hub_preset_without_a_hub_id_is_refused_for_a_local_dir(tmp_path: Path) -> None:
+    from reprotune.models import base_identity
+
+    cfg = compose(["model=qwen3_8b", "model.name=renamed", f"model.path={tmp_path}"])
+    with pytest.raises(ReprotuneError, match="model.path: .* is a local directory"):
+        base_identity(cfg.model)

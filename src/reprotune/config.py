@@ -17,13 +17,27 @@ from reprotune.io import atomic_write_text
 CONF_DIR = Path(os.environ.get("REPROTUNE_CONF", Path(__file__).resolve().parents[2] / "conf")).resolve()
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+def compose(overrides: list[str] | None = None, config_name: str = "config",
+            config_dir: str | Path = CONF_DIR) -> DictConfig:
     """Compose the config exactly as `python -m reprotune.<stage> <overrides>` would (for tests and tools)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
+    with initialize_config_dir(version_base=None, config_dir=str(Path(config_dir).resolve())):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def compose_argv(argv: list[str]) -> DictConfig:
+    """The config a stage started with these command-line arguments composes: conf/ + overrides, or, with
+    --config-dir/--config-name (DVC's stages: `--config-dir . --config-name params`, make verify's), that file +
+    overrides. Hydra's own keys (hydra.*, hydra/...) change where the run logs, not the config: left out."""
+    from reprotune.kernels import config_file
+
+    config_dir, config_name, rest = config_file(argv)
+    overrides = [a for a in rest if "=" in a and not a.lstrip("+~").startswith("hydra")]
+    if config_name:
+        return compose(overrides, config_name=config_name.removesuffix(".yaml"), config_dir=config_dir or ".")
+    return compose(overrides)
 
 
 def library_keys(node: DictConfig, own: tuple[str, ...]) -> dict[str, Any]:

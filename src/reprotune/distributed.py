@@ -118,19 +118,20 @@ def trainer_arguments(cfg: DictConfig, size: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- launcher
 def nproc(argv: list[str]) -> int:
     """NPROC, else every visible GPU when the run trains on CUDA (hardware=gpu, or auto on a GPU host: one
-    process there unless NPROC says more), else 1."""
+    process there unless NPROC says more), else 1. The device is read from the config the train stage will
+    compose from the same arguments: under DVC that is params.yaml (`--config-dir . --config-name params`)."""
     if os.environ.get("NPROC"):
         return int(os.environ["NPROC"])
     import torch
 
     if not torch.cuda.is_available():
         return 1
-    from reprotune.config import compose
+    from reprotune.config import compose_argv
 
-    try:  # the stage's own overrides (hydra.* and --config-* are the stage's business, not ours)
-        device = compose([a for a in argv if "=" in a and not a.startswith(("hydra", "--"))]).hardware.device
-    except Exception:  # noqa: BLE001 - a params.yaml run (dvc) composes elsewhere; count the GPUs it sees
-        device = "cuda"
+    try:
+        device = compose_argv(argv).hardware.device
+    except Exception:  # noqa: BLE001 - a config the stage can not compose: one process, which reports it
+        return 1
     return torch.cuda.device_count() if device == "cuda" else 1
 
 

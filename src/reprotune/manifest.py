@@ -87,14 +87,37 @@ def package_versions() -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+# the instruction-set flags that decide which kernels torch, MKL and oneDNN can pick
+ISA_FLAG_RE = re.compile(r"^(sse4_2|avx|avx2|fma|f16c|avx512\w*|avx_vnni\w*|amx\w*|asimd\w*|sve\w*|sme\w*)$")
+
+
+def cpu_state() -> dict[str, Any]:
+    """The CPU as the kernels see it: vendor, family/model/stepping (a VM often names only 'AMD EPYC'), the
+    instruction-set flags that pick kernels."""
+    info = _cpuinfo()
+    flags = (info.get("flags") or info.get("Features") or "").split()
+    return {"vendor": info.get("vendor_id") or info.get("CPU implementer"),
+            "family_model_stepping": "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping"))
+            if "cpu family" in info else info.get("CPU part"),
+            "isa": sorted(f for f in flags if ISA_FLAG_RE.match(f))}
 
 
 def _nvidia_driver() -> str | None:
@@ -107,11 +130,17 @@ def _nvidia_driver() -> str | None:
 
 
 def hardware_state() -> dict[str, Any]:
+    """What the math ran on: the CPU (model, ISA, the kernel level in use, threads) and every GPU (name,
+    compute capability, memory), the driver, and the CUDA version torch runs with."""
     import torch
+
+    from reprotune.kernels import kernel_state
 
     state: dict[str, Any] = {
         "machine": platform.machine(),
         "cpu": _cpu_model(),
+        "cpu_detail": cpu_state(),
+        "cpu_kernels": kernel_state(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
@@ -124,7 +153,18 @@ def hardware_state() -> dict[str, Any]:
             state["gpus"].append({"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                                   "capability": f"{props.major}.{props.minor}"})
         state["driver"] = _nvidia_driver()
+        state["cuda_runtime"] = torch.version.cuda
+        state["cuda_driver_api"] = _cuda_driver_api_version(torch)
     return state
+
+
+def _cuda_driver_api_version(torch: Any) -> str | None:
+    """The CUDA version the driver supports (e.g. 13.0), as the driver reports it; None if torch can not say."""
+    try:
+        version = int(torch._C._cuda_getDriverVersion())
+    except (AttributeError, RuntimeError):
+        return None
+    return f"{version // 1000}.{version % 1000 // 10}"
 
 
 def runtime_state() -> dict[str, Any]:

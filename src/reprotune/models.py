@@ -230,10 +230,29 @@ def base_identity(model_cfg: Any) -> tuple[str, str | None]:
     if source == "random_init":
         return f"random_init:{model_cfg.name}@{random_init_key(_plain(model_cfg.random_init))}", None
     if source == "hub":
-        return str(model_cfg.path), (str(model_cfg.revision) if model_cfg.revision else None)
+        return _hub_id(model_cfg), (str(model_cfg.revision) if model_cfg.revision else None)
     if source == "local":
         return f"local:{Path(str(model_cfg.path)).name}", None
     raise ReprotuneError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
+
+
+def _hub_id(model_cfg: Any) -> str:
+    """The hub id of a hub preset, also when model.path points at a local copy of it (the README's
+    `model=qwen3_8b model.path=/models/Qwen3-8B`): the preset's own path, never the host's directory."""
+    path = str(model_cfg.path)
+    if not Path(path).is_dir():
+        return path
+    from reprotune.config import compose
+
+    try:
+        preset = compose([f"model={model_cfg.name}"]).model
+    except Exception:  # noqa: BLE001 - model.name is no preset (a renamed one): nothing to look the id up in
+        preset = None
+    hub_id = str(preset.path) if preset is not None and preset.source == "hub" and preset.path else None
+    if hub_id is None or Path(hub_id).is_dir():
+        raise ReprotuneError(f"model.path: {path} is a local directory, and model '{model_cfg.name}' names no hub id "
+                             "to record instead of it (use model.source=local for a model of your own)")
+    return hub_id
 
 
 def resolve_base_identity(identity: str, cache: str | Path, local_path: str | Path | None = None) -> str:
@@ -246,7 +265,7 @@ def resolve_base_identity(identity: str, cache: str | Path, local_path: str | Pa
             raise ReprotuneError(f"base {identity}: a local model; pass its directory (model.path=...)")
         return str(local_path)
     if kind not in ("builtin", "random_init"):
-        return identity  # a hub id
+        return str(local_path) if local_path is not None else identity  # a hub id, or its local copy
     name, _, digest = rest.partition("@")
     preset = compose([f"model={name}"]).model
     recorded = base_identity(preset)[0]

@@ -5,6 +5,7 @@ Every stage that runs a model asks here, so `hardware=` and `repro=` mean the sa
 
 from __future__ import annotations
 
+import logging
 import os
 
 from omegaconf import DictConfig
@@ -30,12 +31,26 @@ def resolve_dtype(cfg: DictConfig, device: str) -> str:
 
 
 def set_reproducibility(cfg: DictConfig, device: str) -> None:
-    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU)."""
+    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU). The CPU
+    kernel level was fixed before torch loaded (reprotune.kernels): here it is only checked against the config."""
     import torch
     from transformers import set_seed
 
-    if cfg.hardware.num_threads:
-        torch.set_num_threads(int(cfg.hardware.num_threads))
+    from reprotune import kernels
+
+    mode = str(cfg.hardware.get("cpu_kernels", kernels.DEFAULT_MODE))
+    warning = kernels.check_mode(mode)
+    if warning:
+        logging.getLogger("reprotune.runtime").warning(warning)
+    # a GPU run's math is on the GPU: its CPU threads stay torch's unless hardware.num_threads says otherwise
+    threads = kernels.thread_count(cfg.hardware.num_threads, mode if device == "cpu" else "native")
+    if threads:
+        user = os.environ.get("OMP_NUM_THREADS")
+        if user and user != str(threads):
+            logging.getLogger("reprotune.runtime").info(
+                "OMP_NUM_THREADS=%s overridden: computing with %d threads (hardware.num_threads; the bytes depend on "
+                "it)", user, threads)
+        torch.set_num_threads(threads)
     if cfg.repro == "strict":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)

@@ -321,9 +321,12 @@ def plot_loss(curves: dict[str, list], out: Path) -> None:
 
 
 def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
+    from reprotune.models import base_identity
+
+    base, revision = base_identity(cfg.model)  # never model.path: a host's directory would change the bytes
     text = f"""# reprotune adapter: {cfg.model.name} + {cfg.method.name} on {cfg.data.name}
 
-- Base model: `{cfg.model.name}` ({cfg.model.source}: `{cfg.model.path or cfg.model.get('builtin', {}).get('file')}`)
+- Base model: `{cfg.model.name}` ({cfg.model.source}: `{base}`{f' at revision `{revision}`' if revision else ''})
 - Method: {cfg.method.name} (r={cfg.method.r}, alpha={cfg.method.lora_alpha}, dora={cfg.method.use_dora}, 4-bit base={bool((quantization(cfg) or {}).get('load_in_4bit'))})
 - Data: `{cfg.data.name}` ({metrics['train_examples']} training examples; private={cfg.data.private})
 - Steps: {metrics['global_step']}, final train loss {metrics['final_train_loss']:.4f}, seed {cfg.seed}

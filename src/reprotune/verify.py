@@ -43,6 +43,15 @@ def _config_without_paths(m: dict) -> dict:
     return {k: _reroot_strings(v, root, Path("<root>")) for k, v in config.items() if k != "paths"}
 
 
+def _hardware(hw: dict) -> dict:
+    """What the math ran on, most telling first: the CPU kernel level and its settings (the user's overridden
+    values are left out: pinned mode replaced them), threads, the CPU, then the GPUs."""
+    kernels = {k: v for k, v in (hw.get("cpu_kernels") or {}).items() if k != "user_env_overridden"}
+    return {"cpu_kernels": kernels, "torch_threads": hw.get("torch_threads"), "cpu": hw.get("cpu"),
+            "cpu_detail": hw.get("cpu_detail"), "machine": hw.get("machine"), "cpu_count": hw.get("cpu_count"),
+            "gpus": hw.get("gpus")}
+
+
 # Each category maps a manifest to the values that, when they change, may change the outputs.
 CATEGORIES: dict[str, Any] = {
     # the source digest, not the git commit: a run is recorded before the commit that records it
@@ -51,10 +60,10 @@ CATEGORIES: dict[str, Any] = {
                        "installed_packages": m.get("packages", {}).get("all_sha256")},
     "data": lambda m: {name: rec.get("sha256") for name, rec in m.get("inputs", {}).items()},
     "config": _config_without_paths,
-    "hardware": lambda m: {k: m.get("hardware", {}).get(k)
-                           for k in ("machine", "cpu", "cpu_count", "torch_threads", "gpus")},
+    "hardware": lambda m: _hardware(m.get("hardware", {})),
     "driver": lambda m: {"driver": m.get("hardware", {}).get("driver"), "torch": m.get("runtime", {}).get("torch"),
-                         "cuda": m.get("runtime", {}).get("cuda"), "cudnn": m.get("runtime", {}).get("cudnn")},
+                         "cuda": m.get("runtime", {}).get("cuda"), "cudnn": m.get("runtime", {}).get("cudnn"),
+                         "cuda_driver_api": m.get("hardware", {}).get("cuda_driver_api")},
     "image": lambda m: {"container_image": m.get("runtime", {}).get("container_image")},
 }
 
@@ -73,8 +82,9 @@ def input_differences(recorded: dict, rerun: dict) -> dict[str, list[str]]:
     diffs: dict[str, list[str]] = {}
     for name, pick in CATEGORIES.items():
         old, new = _flatten(pick(recorded)), _flatten(pick(rerun))
+        # in the category's own order (most telling first), so the first line is the likeliest cause
         changed = [f"{k}: {_short(old.get(k))} -> {_short(new.get(k))}"
-                   for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+                   for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
         if changed:
             diffs[name] = changed
     return diffs
@@ -306,7 +316,9 @@ def print_report(report: dict[str, Any]) -> None:
     if report["identical"]:
         print("RESULT: identical")
     elif differ:
-        print(f"RESULT: different; recorded inputs that differ: {', '.join(differ)}")
+        first = next(iter(differ))
+        print(f"RESULT: different; first recorded difference: {first} {differ[first][0]} "
+              f"(inputs that differ: {', '.join(differ)})")
     else:
         print("RESULT: different, although no recorded input differs: the stage is not deterministic here")
 
