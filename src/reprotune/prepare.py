@@ -240,19 +240,16 @@ def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[di
     training = Path(model.training_chat_template).read_text() if model.get("training_chat_template") else None
     problems = []
     where = f"{cfg.data.path}:0"
+    templates = (  # (name in a message, template text or None for the tokenizer's own, whether this run uses it)
+        (f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})", None, True),
+        (f"model.training_chat_template ({model.get('training_chat_template')})", training, training is not None))
     if n_tools:
-        unable = [name for name, template, used in (
-            (f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})", None, True),
-            (f"model.training_chat_template ({model.get('training_chat_template')})", training, training is not None))
-            if used and not renders_tools(tokenizer, template)]
+        unable = [name for name, template, used in templates if used and not renders_tools(tokenizer, template)]
         if unable:
             problems.append(f"{where}: tools: {n_tools} example(s) use tools, but {' and '.join(unable)} cannot "
                             f"render tools; set {TOOL_TEMPLATES} (or your model's own tool-capable templates)")
     if n_plain:
-        unable = [name for name, template, used in (
-            (f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})", None, True),
-            (f"model.training_chat_template ({model.get('training_chat_template')})", training, training is not None))
-            if used and not renders_tool_role(tokenizer, template)]
+        unable = [name for name, template, used in templates if used and not renders_tool_role(tokenizer, template)]
         if unable:
             problems.append(f"{where}: tool: {n_plain} example(s) answer a plain-text tool invocation with a tool "
                             f"turn, but {' and '.join(unable)} has no tool role to render it; use a template "
