@@ -163,8 +163,22 @@ def _cuda_driver_api_version(torch: Any) -> str | None:
     try:
         version = int(torch._C._cuda_getDriverVersion())
     except (AttributeError, RuntimeError):
+        version = _cuda_driver_get_version()  # torch builds without that binding (2.11): ask the driver itself
+    if not version:
         return None
     return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cuda_driver_get_version() -> int | None:
+    """cuDriverGetVersion from the driver library (libcuda), which a CUDA host has whatever torch exposes."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
 
 
 def runtime_state() -> dict[str, Any]:
