@@ -227,3 +227,39 @@ def test_smollm2_short_run_end_to_end(smollm2_run: tuple[Path, list[str]], tmp_p
     batched, single = (read_jsonl(tmp_path / d / "predictions.jsonl") for d in ("a", "b"))
     assert [r["predictions"] for r in batched] == [r["predictions"] for r in single]
     assert all(r["predictions"]["base"] and r["predictions"]["tuned"] for r in batched)  # real text, not empty
+
+
+def test_a_failure_while_writing_keeps_the_previous_set(tiny_adapter: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The five files appear as one set (#22): a failure after predictions, metrics and the report were written
+    (the plot fails, as a full disk would) leaves the previous five byte for byte; the next good run swaps in a
+    whole new set whose manifest hashes the files that are there."""
+    import hashlib
+
+    from reprotune import evaluate as ev
+
+    out = tiny_adapter / "eval_atomic"
+    evaluate(compose(eval_overrides(tiny_adapter, "eval_atomic")))
+    before = {name: (out / name).read_bytes() for name in OUTPUTS}
+
+    def disk_full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ev, "plot_comparison", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            evaluate(compose(eval_overrides(tiny_adapter, "eval_atomic", "eval.max_examples=4")))
+    assert {name: (out / name).read_bytes() for name in OUTPUTS} == before
+    # the failed run had written different files (4 examples, not 6) before it failed: a one-by-one write
+    # would have left them in place of the old ones
+    staged = out.with_name("eval_atomic.tmp")
+    assert (staged / "predictions.jsonl").read_bytes() != before["predictions.jsonl"]
+    assert (staged / "metrics.json").is_file() and (staged / "report.md").is_file()
+
+    evaluate(compose(eval_overrides(tiny_adapter, "eval_atomic", "eval.max_examples=4")))
+    assert not staged.exists()
+    assert json.loads((out / "metrics.json").read_text())["examples"] == 4
+    manifest = json.loads((out / "manifest.json").read_text())
+    for record in manifest["outputs"].values():
+        path = tiny_adapter / record["path"]
+        assert path.parent == out and record["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert all((out / name).read_bytes() != before[name] for name in ("predictions.jsonl", "metrics.json"))

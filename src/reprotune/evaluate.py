@@ -10,6 +10,7 @@ Reads  data/prepared/holdout.jsonl, the base model, outputs/adapter/ (PEFT adapt
 Writes outputs/eval/metrics.json (deterministic: no timings), predictions.jsonl (every example, every
        system), report.md (summary table, then the examples where base and tuned differ, worst regressions
        first), comparison.png (per-metric bars) and manifest.json (provenance and timings).
+       All five are written into <eval_dir>.tmp and renamed in together (write_outputs): one set or the old one.
 
 Both local systems use one loaded model (the adapter switched off for the base pass), one tokenizer, the
 adapter's chat template, greedy decoding and the same generation settings, batched with left padding.
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from reprotune import metrics as mx
 from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, user_errors
-from reprotune.io import atomic_write_text, iter_jsonl, jsonl_text, save_figure
+from reprotune.io import atomic_write_text, fresh_dir, iter_jsonl, jsonl_text, replace_all, save_figure
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
 from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
 
@@ -48,6 +49,7 @@ LOWER_IS_BETTER = {"loss", "perplexity"}
 AUTO_BATCH_SIZE = {"cpu": 8, "cuda": 32}
 OUTPUT_FILES = {"metrics": "metrics.json", "predictions": "predictions.jsonl", "report": "report.md",
                 "comparison_plot": "comparison.png"}
+MANIFEST_FILE = "manifest.json"
 
 
 # ----------------------------------------------------------------------------------------------- settings
@@ -429,6 +431,30 @@ def write_predictions(path: Path, records: list[dict]) -> None:
     atomic_write_text(path, jsonl_text(records, sort_keys=True))
 
 
+def write_outputs(out_dir: Path, root: Path, cfg: DictConfig, metrics: dict[str, Any], records: list[dict],
+                  names: Sequence[str], primary: str, record: dict[str, Any]) -> str:
+    """Every output file, as one set: all are written into `<eval_dir>.tmp` first and renamed over the
+    previous ones only once the last (the manifest, with their hashes) is there, so a failure or a kill while
+    writing leaves the previous set byte for byte. DVC's declared paths stay the single files in eval_dir.
+    Returns the summary table."""
+    from reprotune import manifest as mf
+
+    staged = fresh_dir(out_dir)
+    write_predictions(staged / OUTPUT_FILES["predictions"], records)
+    mf.write_json(staged / OUTPUT_FILES["metrics"], metrics)  # deterministic: timings go to the manifest
+    table = write_report(staged / OUTPUT_FILES["report"], cfg, metrics, records, names, primary)
+    plot_comparison(metrics, names, staged / OUTPUT_FILES["comparison_plot"])
+    # recorded under the paths they will have, hashed where they are now (the rename keeps the bytes)
+    record["outputs"] = {key: {"path": Path(os.path.relpath(out_dir / name, root)).as_posix(),
+                               "sha256": mf.sha256_file(staged / name)}
+                         for key, name in OUTPUT_FILES.items()}
+    mf.write_json(staged / MANIFEST_FILE, record)
+    names_in_set = [*OUTPUT_FILES.values(), MANIFEST_FILE]
+    replace_all({out_dir / name: staged / name for name in names_in_set})
+    staged.rmdir()
+    return table
+
+
 # --------------------------------------------------------------------------------------------------- main
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import torch
@@ -475,12 +501,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     } for i, ex in enumerate(examples)]
 
     out_dir = Path(cfg.paths.eval_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_predictions(out_dir / "predictions.jsonl", records)
-    mf.write_json(out_dir / "metrics.json", metrics)  # deterministic: timings go to the manifest
-    table = write_report(out_dir / "report.md", cfg, metrics, records, names, primary)
-    plot_comparison(metrics, names, out_dir / "comparison.png")
-
     root = Path(cfg.paths.root)
     record = mf.base_manifest("eval", OmegaConf.to_container(cfg, resolve=True))
     record.update({
@@ -495,7 +515,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                    "base_model": mf.path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
                    else {"path": model_dir, "sha256": None}},
         "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
-        "outputs": {key: mf.path_record(out_dir / name, root) for key, name in OUTPUT_FILES.items()},
         "timing": {"wall_seconds": round(time.time() - started, 2),
                    **{s: {"seconds": round(run.seconds, 2),
                           "examples_per_second": round(len(examples) / run.seconds, 3) if run.seconds else None,
@@ -505,7 +524,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                    "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                    if device == "cuda" else None},
     })
-    mf.write_json(out_dir / "manifest.json", record)
+    table = write_outputs(out_dir, root, cfg, metrics, records, names, primary, record)
     print(f"\n{table}\n\nreport: {out_dir / 'report.md'}   predictions: {out_dir / 'predictions.jsonl'}")
     log.info("eval done in %.1fs (base %.1fs, tuned %.1fs)", record["timing"]["wall_seconds"],
              runs["base"].seconds, runs["tuned"].seconds)
