@@ -134,6 +134,49 @@ def test_disk_full_is_one_line_naming_the_path() -> None:
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "No space left on device" in debug.stderr
 
 
+# A 2,048,000-byte LoRA adapter (r=256 on a 1000x1000 linear layer, float32), saved by train's own function
+# through PEFT and safetensors into a 1 MiB tmpfs: safetensors' Rust error names neither path nor size.
+DISK_FULL_ADAPTER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from reprotune.errors import user_errors
+    from reprotune.train import save_adapter_weights
+
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(1000, 1000)),
+                           LoraConfig(r=256, target_modules=["0"], init_lora_weights=False))
+    with user_errors():
+        save_adapter_weights(model, Path(sys.argv[1]) / "adapter")
+""")
+
+
+def _can_mount_in_a_namespace() -> bool:
+    unshare = shutil.which("unshare")
+    return bool(unshare) and subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs `unshare -rm` (user + mount namespaces) "
+                    "to mount a 1 MiB tmpfs")
+def test_disk_full_under_a_library_write_says_the_bytes_needed(tmp_path: Path) -> None:
+    """The full-disk line says what the write needed where the size was known before it (#22): the adapter's
+    tensor bytes, next to what is free, on the filesystem that filled up."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    script = f'mount -t tmpfs -o size=1m tmpfs "$1" && exec "{PY}" -c "$2" "$1"'
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(mnt), DISK_FULL_ADAPTER],
+                          capture_output=True, text=True, timeout=300)
+    # (bitsandbytes may print its own import warning on a CPU host: that line is not ours)
+    lines = [line for line in proc.stderr.strip().splitlines() if "disk full" in line]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.fullmatch(rf"{re.escape(str(mnt))}/adapter\S*: disk full \(os error 28\): needs ~2\.0 MB, "
+                        r"[\d.,]+ (MB|bytes) free there; free some space and run again \(the previous outputs are "
+                        r"kept\)", lines[0]), lines[0]
+
+
 PEAK = textwrap.dedent("""
     import resource, subprocess, sys
     subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)

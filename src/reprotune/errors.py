@@ -18,8 +18,9 @@ import errno
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
 
 EXIT_USER_ERROR = 2
 
@@ -80,16 +81,59 @@ def _paths_in_traceback(err: BaseException) -> list[str]:
     return found
 
 
+def _size(nbytes: int) -> str:
+    if nbytes >= 10**9:
+        return f"{nbytes / 10**9:,.1f} GB"
+    if nbytes >= 10**6:
+        return f"{nbytes / 10**6:,.1f} MB"
+    return f"{nbytes:,} bytes"
+
+
 def disk_full_line(err: BaseException) -> str:
     """ENOSPC as one line: which path (the one on the fullest filesystem among those the write touched), the
-    bytes left there, and the bytes the write needed where the caller knows them."""
+    bytes left there, and the bytes the write needed where the caller knew them (`needs_bytes`)."""
     candidates = [str(err.filename)] if isinstance(err, OSError) and err.filename else []
     candidates += _paths_in_traceback(err) or ["."]
     where = min(reversed(candidates), key=_free_bytes)  # the innermost of the fullest
-    needed = getattr(err, "reprotune_bytes", None)
-    need = f", the write needed {needed:,}" if needed else ""
-    return (f"{where}: disk full (os error 28): {_free_bytes(where):,} bytes free there{need}; "
-            f"free some space and run again (the previous outputs are kept)")
+    needed = _needed_bytes(err)
+    space = (f"needs ~{_size(needed)}, {_size(max(0, _free_bytes(where)))} free there" if needed
+             else f"{_free_bytes(where):,} bytes free there")
+    return f"{where}: disk full (os error 28): {space}; free some space and run again (the previous outputs are kept)"
+
+
+def _needed_bytes(err: BaseException | None) -> int | None:
+    """The size `needs_bytes` put on the error, or on one it was raised from (a library may wrap it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if getattr(err, "reprotune_bytes", None):
+            return int(err.reprotune_bytes)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes a set of tensors takes in a safetensors file (their raw data; storage shared by tied weights counted
+    once). Duck-typed, so this module needs no torch."""
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        nbytes = int(t.numel()) * int(t.element_size())
+        ptr = int(t.data_ptr()) or id(t)  # 0 for tensors without storage (meta): count each
+        sizes[ptr] = max(sizes.get(ptr, 0), nbytes)
+    return sum(sizes.values())
+
+
+@contextmanager
+def needs_bytes(nbytes: int) -> Iterator[None]:
+    """A write whose size is known beforehand: if it fills the disk, the one line (`user_errors`) says how much it
+    needed next to how much was free; a library's error (safetensors' Rust 'os error 28') names neither."""
+    try:
+        yield
+    except Exception as err:
+        if nbytes and _is_disk_full(err) and _needed_bytes(err) is None:
+            with suppress(AttributeError):  # an exception type with __slots__: the line goes without the size
+                err.reprotune_bytes = nbytes  # type: ignore[attr-defined]
+        raise
 
 
 def _is_disk_full(err: BaseException) -> bool:

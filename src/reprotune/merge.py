@@ -31,7 +31,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune.config import CONF_DIR, quantization
-from reprotune.errors import ReprotuneError, user_errors
+from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import read_conversations, swap_dir, tmp_path
 from reprotune.models import load_float32, load_tokenizer, resolve_model_dir
 
@@ -147,7 +147,9 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     tmp = tmp_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    merged.to(getattr(torch, dtype)).save_pretrained(tmp)
+    merged.to(getattr(torch, dtype))
+    with needs_bytes(tensor_bytes(merged.state_dict().values())):  # a full disk says how much the model needed
+        merged.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json and chat_template.jinja
     write_generation_config(merged, tokenizer, tmp)
     save_seconds = time.time() - t0

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from reprotune import distributed, speed
 from reprotune.config import CONF_DIR, library_keys, quantization
-from reprotune.errors import ReprotuneError, user_errors
+from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
 from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
@@ -353,6 +353,14 @@ def canonicalise_adapter_config(adapter_dir: Path, base: tuple[str, str | None])
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def save_adapter_weights(model, folder: Path, state_dict: dict | None = None) -> None:
+    """PEFT's save of the adapter; its size is known before the write, so a full disk says how much it needed."""
+    from peft import get_peft_model_state_dict
+
+    with needs_bytes(tensor_bytes(get_peft_model_state_dict(model, state_dict=state_dict).values())):
+        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+
+
 def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None,
                  state_dict: dict | None = None) -> Path:
     """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
@@ -361,7 +369,7 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
     shutil.rmtree(tmp, ignore_errors=True)
     from reprotune.models import base_identity
 
-    trainer.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+    save_adapter_weights(trainer.model, tmp, state_dict)
     canonicalise_adapter_config(tmp, base_identity(cfg.model))
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
