@@ -28,6 +28,7 @@ import re
 import statistics
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -301,27 +302,40 @@ def shingles(messages: list[dict], n: int = 3) -> frozenset[int]:
     return frozenset(hash(" ".join(words[i:i + n])) for i in range(max(len(words) - n + 1, 1)))
 
 
-def near_duplicates(train: list[tuple[Any, frozenset]], holdout: list[tuple[Any, frozenset]],
+def near_duplicates(train: list[int], holdout: list[int], shingles_of: Callable[[int], frozenset],
                     threshold: float, max_listed: int = 20) -> dict[str, Any]:
     """Holdout examples whose Jaccard similarity to some train example is >= threshold (they leak the answer).
 
     Candidates come from an inverted index over shingles, leaving out shingles common to >10% of the
-    train set (templates), so the cost grows with the data, not with its square.
+    train set (templates), so the cost grows with the data, not with its square. Memory grows with the
+    holdout side: the index keeps only shingles some holdout example has (no other key is ever looked up),
+    and a train example's shingles are computed again only when it is among the 50 best candidates, never
+    held for the whole train set. `shingles_of(i)` gives example i's shingles.
     """
+    held = {i: shingles_of(i) for i in holdout}
+    wanted = set().union(*held.values()) if held else set()
     index: dict[int, list[int]] = defaultdict(list)
-    for i, (_, sh) in enumerate(train):
-        for s in sh:
-            index[s].append(i)
+    for i in train:
+        for s in shingles_of(i):
+            if s in wanted:
+                index[s].append(i)
+    del wanted
     common = max(10, len(train) // 10)
-    pairs = []
-    for where, sh in holdout:
+    shortlist = {}
+    for where, sh in held.items():
         candidates = Counter(i for s in sh if len(index.get(s, ())) <= common for i in index.get(s, ()))
+        shortlist[where] = [i for i, _ in candidates.most_common(50)]
+    del index
+    needed = sorted({i for ids in shortlist.values() for i in ids})
+    train_shingles = {i: shingles_of(i) for i in needed}
+    pairs = []
+    for where, sh in held.items():
         best, best_where = 0.0, None
-        for i, _ in candidates.most_common(50):
-            other = train[i][1]
+        for i in shortlist[where]:
+            other = train_shingles[i]
             similarity = len(sh & other) / len(sh | other)
             if similarity > best:
-                best, best_where = similarity, train[i][0]
+                best, best_where = similarity, i
         if best >= threshold:
             pairs.append({"holdout": where, "train": best_where, "similarity": round(best, 3)})
     return {"threshold": threshold, "count": len(pairs), "pairs": pairs[:max_listed]}
@@ -482,10 +496,8 @@ def prepare(cfg: DictConfig) -> dict:
     train_idx = [i for i in range(len(records)) if keep[i] and not holdout_flags[i]]
     holdout_idx = [i for i in range(len(records)) if keep[i] and holdout_flags[i]]
 
-    sh = [shingles(c) if c is not None else frozenset() for c in conversations]
-    near = near_duplicates([(i, sh[i]) for i in train_idx], [(i, sh[i]) for i in holdout_idx],
+    near = near_duplicates(train_idx, holdout_idx, lambda i: shingles(conversations[i]),
                            float(data.near_duplicate_threshold))
-    del sh
     # file:line only for the pairs listed (a string per record cost ~80 MB per million records)
     near["pairs"] = [{**pair, "holdout": f"{relative(records[pair['holdout']].file, root)}:"
                                          f"{records[pair['holdout']].line}",
