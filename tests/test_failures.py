@@ -256,6 +256,18 @@ ORPHAN = textwrap.dedent("""
 """)
 
 
+def test_a_stage_whose_launcher_is_pid_1_keeps_running() -> None:
+    """In a container the shell that runs a recipe line is PID 1 and the stage is its child (make ... RUNNER=docker):
+    a parent of PID 1 is a live parent there, not a sign of being orphaned (this killed every containerised stage)."""
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-fp", "true"], capture_output=True).returncode:
+        pytest.skip("unshare -fp (a PID namespace) is not available here")
+    code = "import os; from reprotune.errors import die_with_parent; die_with_parent(); print('alive', os.getppid())"
+    # sh is PID 1 of the new namespace; '; true' makes it fork the stage instead of exec'ing it
+    out = subprocess.run(["unshare", "-fp", "sh", "-c", f'"{PY}" -c "{code}"; true'], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["alive", "1"], (out.stdout, out.stderr[-2000:])
+
+
 def test_a_stage_dies_with_its_parent_even_on_sigkill() -> None:
     parent = subprocess.Popen([PY, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())

@@ -53,7 +53,9 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent or parent == 1:  # the parent died before the request took effect
+    # The parent died between the two reads: the request came too late, so act on it now. A parent that is PID 1
+    # is not taken as "already orphaned": in a container the stage's launcher (the shell the image runs) is PID 1.
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
