@@ -49,7 +49,8 @@ def test_train_rerun_is_byte_identical(run: Path, capsys: pytest.CaptureFixture)
     code, report = verify(run / "outputs/train/manifest.json", capsys=capsys)
     recorded = json.loads((run / "outputs/train/manifest.json").read_text())
     print(f"train: adapter sha256 {recorded['outputs']['adapter']['sha256']} -> {report['outputs']}")
-    assert report["outputs"] == {"adapter": "identical", "metrics": "identical", "loss_plot": "identical"}
+    assert report["outputs"] == {"adapter": "identical", "metrics": "identical", "loss_curves": "identical",
+                                 "loss_plot": "identical"}
     assert report["identical"] and code == 0
     assert report["inputs_differ"] == {}, report["inputs_differ"]  # same machine, code, lock, data, config
 
