@@ -266,6 +266,28 @@ def load_peft_model(adapter_dir: str | Path, cache: str | Path, dtype: str = "fl
     return PeftModel.from_pretrained(base, adapter_dir)
 
 
+# ----------------------------------------------------------------------------------- training chat template
+def training_chat_template(model_cfg: Any, tokenizer: Any, assistant_only_loss: bool) -> str | None:
+    """The template training renders with: model.training_chat_template, else (assistant-only loss on a template
+    without {% generation %} markers) the copy TRL patches in (trl/chat_templates/*_training.jinja), else the
+    tokenizer's own (None). A template TRL cannot patch stops here with one line naming the fix, not inside
+    SFTTrainer."""
+    if model_cfg.get("training_chat_template"):
+        return Path(str(model_cfg.training_chat_template)).read_text()
+    if not assistant_only_loss:
+        return None
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:
+        raise ReprotuneError(
+            f"model '{model_cfg.name}': model.training_chat_template: null, but TRL has no training copy of this "
+            "model's chat template (no {% generation %} markers for assistant-only loss); set "
+            "model.training_chat_template=<the template with {% generation %} around each assistant reply> "
+            "(see conf/chat_templates/chatml_training.jinja) or train.assistant_only_loss=false") from None
+
+
 # ------------------------------------------------------------------------------------------------ loaders
 def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
     """A tokenizer from a base model (model_cfg given: its revision, trust_remote_code, and model.chat_template

@@ -29,7 +29,7 @@ from reprotune import distributed, speed
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
-from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
 from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
 
 log = logging.getLogger("reprotune.train")
@@ -383,6 +383,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with distributed.main_process_first():
         model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg.model)
+    training_chat_template(cfg.model, tokenizer, bool(cfg.train.assistant_only_loss))  # one line if TRL can't patch
     original_template = tokenizer.chat_template
     fast = choose_fast_path(cfg, device, model_dir)
     log.info("speed: %s", "; ".join(fast.reasons))
