@@ -118,3 +118,60 @@ def test_sft_trainer_takes_trls_patch_path_for_the_qwen3_template(tiny) -> None:
     row = trainer.train_dataset[0]
     learned = tokenizer.decode([lab for lab in row["labels"] if lab != -100])  # TRL masks non-assistant with -100
     assert "total 99.50" in learned and "EUR" in learned and "Invoice 4411 from ACME" not in learned
+
+
+# ------------------------------------------------------------------------------- agent traces (plain-text tools)
+def agent_rows(n: int) -> list[dict]:
+    """Agent SFT traces: the assistant invokes a tool in its text; a tool turn without tool_calls answers."""
+    return [{"messages": [
+        {"role": "user", "content": f"List the files of project {i}."},
+        {"role": "assistant", "content": f"Action: ls /srv/project{i}"},
+        {"role": "tool", "content": f"README.md main{i}.py"},
+        {"role": "assistant", "content": f"Project {i} holds README.md and main{i}.py."}]} for i in range(n)]
+
+
+def _prepare_cfg(root: Path, *overrides: str):
+    return compose([f"paths.root={root}", "model=tiny_random", "data.scrub=false",
+                    "data.path=${paths.raw}/agent.jsonl", "data.holdout_fraction=0", *overrides])
+
+
+def test_agent_traces_are_accepted_and_rendered_with_the_tool_role(tmp_path: Path) -> None:
+    """ChatML (SmolLM2's template and the training copy) has a tool role: <|im_start|>tool; the tool output is
+    context, the replies around it are learned."""
+    import json
+
+    from reprotune.prepare import prepare
+
+    from .conftest import write_jsonl
+
+    write_jsonl(tmp_path / "data/raw/agent.jsonl", agent_rows(6))
+    c = _prepare_cfg(tmp_path)
+    prepare(c)
+    rows = [json.loads(line) for line in (tmp_path / "data/prepared/train.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    tokenizer = load_tokenizer(resolve_model_dir(c.model, c.paths.model_cache), c.model)
+    training = Path(c.model.training_chat_template).read_text()
+    messages = rows[0]["messages"]
+    text = tokenizer.apply_chat_template(messages, chat_template=training, tokenize=False)
+    assert f"<|im_start|>tool\n{messages[2]['content']}<|im_end|>" in text
+    masked = _assistant_text(tokenizer, messages, training)
+    assert messages[1]["content"] in masked and messages[3]["content"] in masked
+    assert messages[2]["content"] not in masked and messages[0]["content"] not in masked
+
+
+def test_agent_traces_with_a_template_without_tool_role_are_one_line(tmp_path: Path) -> None:
+    """Gemma 3's real template knows user and model only: refused with one line naming the template."""
+    from reprotune.prepare import prepare
+
+    from .conftest import write_jsonl
+
+    write_jsonl(tmp_path / "data/raw/agent.jsonl", agent_rows(3))
+    gemma = str(TRL_TEMPLATES / "gemma3.jinja")
+    with pytest.raises(ReprotuneError) as err:
+        prepare(_prepare_cfg(tmp_path, f"model.chat_template={gemma}", "model.training_chat_template=null"))
+    (line,) = err.value.problems
+    assert line == (f"{tmp_path}/data/raw/agent.jsonl:0: tool: 3 example(s) answer a plain-text tool invocation "
+                    f"with a tool turn, but model.chat_template ({gemma}) has no tool role to render it; use a "
+                    "template that renders role 'tool' (model.chat_template=conf/chat_templates/qwen2_5_tools.jinja "
+                    "model.training_chat_template=conf/chat_templates/qwen2_5_tools_training.jinja)")
+    assert not (tmp_path / "data/prepared/train.jsonl").exists()

@@ -371,7 +371,9 @@ def _parse_turns(turns: Any, line: int, reader: _Reader, list_key: str, role_key
 def check_conversation(messages: list[dict[str, Any]], line: int, fld: str, problems: _Problems | _Reader,
                        role_names: dict[str, str] | None = None) -> bool:
     """Role order: optional system first; user, then assistant; an assistant turn that calls tools is
-    followed by tool results, and those by the assistant again; the conversation ends with the assistant."""
+    followed by tool results, and those by the assistant again; the conversation ends with the assistant.
+    Agent traces invoke tools in the assistant's text (no tool_calls) and follow with a tool turn: accepted too;
+    prepare checks that the chat template has a tool role to render it (reprotune.prepare.check_templates)."""
     def shown(message: dict | None) -> str:  # name roles as the user's file does (human/gpt for ShareGPT)
         if message is None:
             return "the start"
@@ -385,7 +387,7 @@ def check_conversation(messages: list[dict[str, Any]], line: int, fld: str, prob
             return ("assistant",)
         if message["role"] == "tool":
             return ("tool", "assistant")
-        return ("tool",) if message.get("tool_calls") else ("user",)
+        return ("tool",) if message.get("tool_calls") else ("user", "tool")
 
     previous = None
     for i, msg in enumerate(messages):

@@ -46,6 +46,11 @@ PROBE_CALL = [{"role": "user", "content": "probe"},
                   {"type": "function", "function": {"name": "reprotune_probe_call", "arguments": "{}"}}]},
               {"role": "tool", "content": "reprotune_probe_result"},
               {"role": "assistant", "content": "done"}]
+# an agent trace: the assistant invokes a tool in its text, a tool turn without tool_calls answers
+PROBE_PLAIN_TOOL = [{"role": "user", "content": "probe"},
+                    {"role": "assistant", "content": "calling reprotune_probe_tool"},
+                    {"role": "tool", "content": "reprotune_probe_result"},
+                    {"role": "assistant", "content": "done"}]
 TOOL_TEMPLATES = ("model.chat_template=conf/chat_templates/qwen2_5_tools.jinja "
                   "model.training_chat_template=conf/chat_templates/qwen2_5_tools_training.jinja")
 
@@ -153,6 +158,21 @@ def renders_tools(tokenizer: Any, template: str | None) -> bool:
     return all(name in text for name in ("reprotune_probe_tool", "reprotune_probe_call", "reprotune_probe_result"))
 
 
+def renders_tool_role(tokenizer: Any, template: str | None) -> bool:
+    """The template renders a tool turn that follows a plain-text assistant turn (its tool role), not drops it."""
+    try:
+        text = tokenizer.apply_chat_template(PROBE_PLAIN_TOOL, chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that raises on a tool turn has no tool role for it
+        return False
+    return "reprotune_probe_result" in text and text.index("reprotune_probe_result") < text.rindex("done")
+
+
+def plain_tool_turns(conversation: list[dict]) -> bool:
+    """A tool turn answering an assistant turn that invoked the tool in its text (no tool_calls)."""
+    return any(m["role"] == "tool" and prev["role"] == "assistant" and not prev.get("tool_calls")
+               for prev, m in zip(conversation, conversation[1:], strict=False))
+
+
 def masks_weight_zero(tokenizer: Any, template: str) -> bool:
     """The training template leaves a weight-0 assistant reply out of the assistant mask (and keeps the rest)."""
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "skipped reply", "weight": 0},
@@ -166,10 +186,12 @@ def masks_weight_zero(tokenizer: Any, template: str) -> bool:
 def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[dict]], tools: list) -> None:
     """Tools and per-message weights need templates that honour them: say so before anything is written,
     instead of training on conversations whose tools were silently left out."""
+    n_plain = sum(1 for conv, t in zip(conversations, tools, strict=True)
+                  if plain_tool_turns(conv) and not t and not any(m.get("tool_calls") for m in conv))
     n_tools = sum(1 for conv, t in zip(conversations, tools, strict=True)
-                  if t or any(m.get("tool_calls") or m["role"] == "tool" for m in conv))
+                  if t or any(m.get("tool_calls") or m["role"] == "tool" for m in conv)) - n_plain
     n_weight = sum(1 for conv in conversations if any(m.get("weight") == 0 for m in conv))
-    if not n_tools and not n_weight:
+    if not n_tools and not n_weight and not n_plain:
         return
     model = cfg.model
     training = Path(model.training_chat_template).read_text() if model.get("training_chat_template") else None
@@ -183,6 +205,15 @@ def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[di
         if unable:
             problems.append(f"{where}: tools: {n_tools} example(s) use tools, but {' and '.join(unable)} cannot "
                             f"render tools; set {TOOL_TEMPLATES} (or your model's own tool-capable templates)")
+    if n_plain:
+        unable = [name for name, template, used in (
+            (f"model.chat_template ({model.chat_template or f'the tokenizer of {model.name}'})", None, True),
+            (f"model.training_chat_template ({model.get('training_chat_template')})", training, training is not None))
+            if used and not renders_tool_role(tokenizer, template)]
+        if unable:
+            problems.append(f"{where}: tool: {n_plain} example(s) answer a plain-text tool invocation with a tool "
+                            f"turn, but {' and '.join(unable)} has no tool role to render it; use a template "
+                            f"that renders role 'tool' ({TOOL_TEMPLATES})")
     if n_weight and bool(cfg.train.assistant_only_loss):
         if training is None:
             problems.append(f"{where}: weight: {n_weight} example(s) have assistant messages with weight 0, which "
