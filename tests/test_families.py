@@ -110,3 +110,13 @@ def test_one_id_past_the_embedding_is_caught() -> None:
     tokenizer = _random_init_tokenizer(_spec("tiny_random"))
     with pytest.raises(ReprotuneError, match="highest 49,151"):
         check_vocabulary("x", tokenizer, SMOLLM2_IDS - 1)
+
+
+def test_make_plan_warns_of_the_mistral_vocabulary(tmp_path: Path) -> None:
+    from reprotune import plan
+
+    out = plan.make_plan(compose(["model=mistral_7b_random", f"paths.root={tmp_path}"]))
+    assert any("49,152 ids but the model's vocab_size is 32,768: make train stops" in w for w in out["warnings"])
+    assert out["model"]["parameters"] == 7_248_023_552  # MistralForCausalLM on the meta device says the same
+    qwen = plan.make_plan(compose(["model=qwen3_8b_random", f"paths.root={tmp_path}"]))
+    assert not any("make train stops" in w for w in qwen["warnings"])

@@ -606,6 +606,11 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
                    "upload changes your run (set model.revision=<40-hex sha>)")
     if model.get("gated") and not local and not (os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")):
         out.append(f"{model.path} is gated and HF_TOKEN is not set in the environment: the download will fail")
+    builtin_tokenizer = model.source == "random_init" and not model.random_init.get("tokenizer_dir")
+    vocab = model_shape(model).vocab
+    if builtin_tokenizer and vocab < BUILTIN_TOKENIZER_VOCAB:  # what make train's vocabulary check will stop on
+        out.append(f"model '{model.name}': the built-in tokenizer has {BUILTIN_TOKENIZER_VOCAB:,} ids but the model's "
+                   f"vocab_size is {vocab:,}: make train stops (give it a tokenizer of at most {vocab:,} ids)")
     if data is None:
         out.append(f"{cfg.paths.prepared}: no prepared data (run make prepare); memory assumes full-length "
                    "examples, and no time or cost without token counts")
