@@ -6,6 +6,7 @@ template (issue #25). The export lane: each family trains, merges and converts."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,32 @@ def test_gguf_per_family_keeps_token_ids_and_template(merged_family) -> None:
     assert meta["tokenizer.chat_template"] == (root / "outputs/merged/chat_template.jinja").read_text()
     modelfile = (root / "outputs/gguf/Modelfile").read_text()
     assert 'PARAMETER stop "<|im_end|>"' in modelfile and "<|im_start|>assistant" in modelfile
+
+
+def test_gguf_carries_a_real_template_trl_patched_for_training(tmp_path: Path) -> None:
+    """Qwen2.5's real template (TRL's copy) as model.chat_template, training_chat_template null: TRL trains with its
+    qwen2_5_training copy, and the GGUF (and the merged model) carry the real template, byte for byte."""
+    import trl
+
+    from reprotune import llamacpp
+    from reprotune.gguf import gguf
+    from reprotune.invoices import generate
+    from reprotune.merge import merge
+    from reprotune.train import train
+
+    from .conftest import write_jsonl
+
+    real = Path(trl.__file__).parent / "chat_templates/qwen2_5.jinja"
+    rows = generate(24, seed=7)
+    write_jsonl(tmp_path / "data/prepared/train.jsonl", rows[:20])
+    write_jsonl(tmp_path / "data/prepared/holdout.jsonl", rows[20:])
+    cfg = compose([*EXPORT_TRAIN, *EXPORT_ARGS, f"paths.root={tmp_path}", "model=tiny_random_qwen3",
+                   f"model.chat_template={real}", "model.training_chat_template=null", "export.quant=[Q8_0]"])
+    train(cfg)
+    merge(cfg)
+    gguf(cfg)
+    assert (tmp_path / "outputs/merged/chat_template.jinja").read_text() == real.read_text()
+    info = llamacpp.gguf_info(llamacpp.source_dir(), tmp_path / "outputs/gguf/model-Q8_0.gguf")
+    assert info["metadata"]["tokenizer.chat_template"] == real.read_text()
+    report = json.loads((tmp_path / "outputs/gguf/parity.json").read_text())
+    assert report["tokenization"]["Q8_0"]["identical"] is True
