@@ -164,22 +164,3 @@ def test_qlora_4bit_layers_take_the_fused_path(tmp_path: Path) -> None:
     assert n == counter.calls == len(layers) > 0
     assert torch.allclose(loss_fused, loss_peft, atol=1e-5, rtol=0)
     assert all(_rel_err(grads_fused[k], g) < 1e-4 for k, g in grads_peft.items())
-
-
-def test_plain_layers_are_one_autograd_node_with_peft_gradients(tmp_path: Path) -> None:
-    """LoRA on an nn.Linear base: the layer's output comes from one fused autograd function (the input's two
-    gradient terms summed in one product), and the input's own gradient equals PEFT's."""
-    model = _peft_model(tmp_path)
-    layer = _lora_layers(model)[0]
-    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
-    ref = layer(x)
-    (ref * torch.arange(ref.numel()).view_as(ref).sin()).sum().backward()
-    grad_x_peft, grad_a_peft = x.grad.clone(), layer.lora_A["default"].weight.grad.clone()
-    x.grad, layer.lora_A["default"].weight.grad = None, None
-    with fused_lora(model):
-        out = layer(x)
-        assert type(out.grad_fn).__name__ == "_LoraLinearBackward"
-        (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
-    assert torch.allclose(out, ref, atol=1e-6)
-    assert _rel_err(x.grad, grad_x_peft) < 1e-5
-    assert _rel_err(layer.lora_A["default"].weight.grad, grad_a_peft) < 1e-5

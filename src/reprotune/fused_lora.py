@@ -8,12 +8,6 @@ alpha=scaling)` is the same sum done by one cuBLAS call that reads `result` in i
 only the rank-r products. The sum is rounded once instead of twice, so the numbers differ from PEFT's in the last
 bit, not in meaning; runs stay deterministic (same kernels, same order).
 
-For a plain `nn.Linear` base layer (LoRA, not QLoRA) the whole layer is one autograd function (`_LoraLinear`):
-autograd would otherwise compute the input's gradient from the frozen path (`g W`) and from the adapter path
-(`g_h A`) as two [tokens, in_features] tensors and add them in a separate pass, seven times per decoder layer
-(the MLP's 12,288-wide down projection among them); here the adapter's term is added in the epilogue of its own
-rank-r product (`dx.addmm_(g_h, A)`), and the autograd graph has one node per layer instead of three.
-
 Only the plain case is rerouted (one active adapter, no dropout, no LoRA variant such as DoRA, no lora bias, not
 merged, no per-example adapter names); everything else goes through PEFT's own forward unchanged. The layers get
 PEFT's forward back when the context exits, so saving, merging and evaluation see plain PEFT modules.
@@ -64,57 +58,12 @@ def _same_dtypes(module: nn.Module, name: str, x: torch.Tensor) -> bool:
             or x.dtype == module.lora_A[name].weight.dtype == module.lora_B[name].weight.dtype)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast would compute the layer's products in (the input's own outside autocast)."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-class _LoraLinear(torch.autograd.Function):
-    """`x Wᵀ + b + s (x Aᵀ) Bᵀ` for a frozen W, with the input's two gradient terms summed inside one product.
-
-    Every operand is cast to the compute dtype once in the forward (what autocast does to each product), so the
-    backward needs no autocast; autograd casts the returned gradients to each parameter's own dtype.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-        dtype = _compute_dtype(x)
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        weight, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
-        hidden = torch.mm(x2, a.t())
-        out = torch.nn.functional.linear(x2, weight, None if bias is None else bias.to(dtype))
-        out = torch.addmm(out, hidden, b.t(), alpha=scaling)
-        ctx.save_for_backward(x2, weight, a, b, hidden)
-        ctx.scaling, ctx.x_shape = scaling, x.shape
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, weight, a, b, hidden = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
-        g_hidden = torch.mm(g, b).mul_(ctx.scaling)          # [tokens, r]: the gradient at A's output
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(g, weight).addmm_(g_hidden, a).view(ctx.x_shape)
-        grad_a = torch.mm(g_hidden.t(), x2) if ctx.needs_input_grad[3] else None
-        grad_b = torch.mm(g.t(), hidden).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
-        grad_bias = g.sum(0) if ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_bias, grad_a, grad_b, None
-
-
 def fused_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """PEFT's LoRA linear forward, the scale and add of the adapter folded into B's product."""
     name = None if args else plain_adapter(module, kwargs)
     if name is None or not _same_dtypes(module, name, x):
         return type(module).forward(module, x, *args, **kwargs)
-    base = module.base_layer
-    if (type(base) is nn.Linear and not base.weight.requires_grad  # the function gives the frozen W no gradient
-            and not (base._forward_hooks or base._forward_pre_hooks)):
-        return _LoraLinear.apply(x, base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-                                 module.scaling[name])
-    result = base(x)  # a 4-bit (QLoRA) base layer: its own autograd function, then the fused sum
+    result = module.base_layer(x)
     hidden = module.lora_A[name](x)
     out = torch.addmm(result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
                       module.lora_B[name].weight.t(), alpha=module.scaling[name])
