@@ -50,7 +50,8 @@ def test_committed_measurements_are_predicted_within_bounds() -> None:
 
 # issue #25: the presets' real architectures on one H200 (Qwen3ForCausalLM, MistralForCausalLM, Llama 3.2)
 ARCHITECTURE_RUNS = ("qwen3-8b-lora-packed-nockpt-16rows", "qwen3-8b-qlora-packed-ckpt-16rows",
-                     "mistral-7b-lora-packed-nockpt-16rows", "llama32-1b-lora-packed-nockpt-16rows")
+                     "mistral-7b-lora-packed-nockpt-16rows",
+                     "mistral-7b-lora-packed-nockpt-16rows-bench", "llama32-1b-lora-packed-nockpt-16rows")
 
 
 @pytest.mark.parametrize("name", ARCHITECTURE_RUNS)
