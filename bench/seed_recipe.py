@@ -161,7 +161,8 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) 
             "mfu": t["mfu"], "final_loss": metrics["final_train_loss"], "peak_gib": t["peak_gpu_memory_gib"],
             "reserved_gib": t["peak_gpu_reserved_gib"], "steps": metrics["global_step"],
             "tokens_seen": metrics["tokens_seen"], "step_seconds": t["step_seconds"],
-            "fast_path": manifest["fast_path"], "adapter_sha256": manifest["outputs"]["adapter"]["sha256"],
+            "fast_path": manifest.get("run_settings") or manifest["fast_path"],
+            "adapter_sha256": manifest["outputs"]["adapter"]["sha256"],
             "planned_peak_gib": planned_peak(root)}
 
 

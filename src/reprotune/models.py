@@ -332,19 +332,17 @@ def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
     return tokenizer
 
 
-def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None = None
-                    ) -> Any:
+def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None) -> Any:
     """The base model to train or evaluate: in `dtype`, or quantised by bitsandbytes (method.quantization: QLoRA).
-    attn_implementation None: eager under repro=strict, else the library's choice."""
+    attn_implementation: reprotune.runtime.attention's choice (None: the library's)."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from reprotune.config import quantization
-    from reprotune.runtime import attention_implementation, local_rank
+    from reprotune.runtime import local_rank
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
                               "trust_remote_code": cfg.model.trust_remote_code}
-    attn_implementation = attn_implementation or attention_implementation(cfg)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     quant = quantization(cfg)

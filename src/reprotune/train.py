@@ -31,7 +31,9 @@ from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
-from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
+from reprotune.runtime import resolve_device, set_reproducibility
+from reprotune.sizing.decide import RunSettings, detect
+from reprotune.sizing.preflight import preflight, train_shape
 
 log = logging.getLogger("reprotune.train")
 
@@ -77,25 +79,22 @@ def lora_config(cfg: DictConfig):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath,
-               world_size: int = 1):
+def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """trl.SFTConfig from the train group as it is, plus the settings reprotune's guarantees rest on, which
     win over the group: where checkpoints go and how they rotate, seeds, precision from hardware, the
     validation split, nothing sent anywhere unless train.report_to asks, and the speed settings fitted by
-    reprotune.speed (micro-batch, accumulation, packing, Liger, checkpointing)."""
+    reprotune.sizing.decide (micro-batch, accumulation, packing, checkpointing, precision, strategy)."""
     from trl import SFTConfig
 
     keys = library_keys(cfg.train, TRAIN_OWN)
-    accum, _ = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
-                                        world_size)
     eval_steps = keys.get("eval_steps") if keys.get("eval_steps") and has_val else None
     report_to = keys.get("report_to")
     keys.update(
         output_dir=cfg.paths.checkpoints,
-        per_device_train_batch_size=fast.per_device_train_batch_size,
-        per_device_eval_batch_size=fast.per_device_train_batch_size,
-        gradient_accumulation_steps=accum,
-        packing=fast.packing,
+        per_device_train_batch_size=run.per_device_train_batch_size,
+        per_device_eval_batch_size=run.per_device_train_batch_size,
+        gradient_accumulation_steps=run.process_accumulation,
+        packing=run.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
         use_liger_kernel=False,  # Liger is applied by apply_liger (TRL deprecates this switch)
         chat_template_path=cfg.model.training_chat_template,
@@ -106,19 +105,19 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         eval_steps=eval_steps,
         seed=int(cfg.seed),
         data_seed=int(cfg.seed),
-        use_cpu=device == "cpu",
-        bf16=dtype == "bfloat16",
-        fp16=dtype == "float16",
-        activation_checkpointing=fast.activation_checkpointing,
-        activation_checkpointing_kwargs=checkpointing_kwargs(keys, fast),
+        use_cpu=run.device == "cpu",
+        bf16=run.dtype == "bfloat16",
+        fp16=run.dtype == "float16",
+        activation_checkpointing=run.activation_checkpointing,
+        activation_checkpointing_kwargs=checkpointing_kwargs(keys, run),
         report_to=[] if report_to in (None, "none") else report_to,
         push_to_hub=False,
         dataloader_num_workers=0,
         dataset_num_proc=None,
         # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)
-        include_num_input_tokens_seen="all" if fast.packing else "non_padding",
+        include_num_input_tokens_seen="all" if run.packing else "non_padding",
         disable_tqdm=False,
-        **distributed.trainer_arguments(cfg, world_size),
+        **distributed.trainer_arguments(cfg, run.strategy),
     )
     return SFTConfig(**keys)
 
@@ -136,11 +135,11 @@ def apply_liger(model, active: bool) -> None:
     apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
-def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any]:
+def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, Any]:
     """train.activation_checkpointing_kwargs with the fitted every_n_layers (some layers checkpointed, not all)."""
     kwargs = dict(keys.get("activation_checkpointing_kwargs") or {})
-    if fast.activation_checkpointing and fast.checkpoint_every_n_layers > 1:
-        kwargs["every_n_layers"] = fast.checkpoint_every_n_layers
+    if run.activation_checkpointing and run.checkpoint_every_n_layers > 1:
+        kwargs["every_n_layers"] = run.checkpoint_every_n_layers
     return kwargs
 
 
@@ -254,23 +253,6 @@ def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True)
         log.info("resuming from %s", good[-1])
         return str(good[-1])
     return None
-
-
-def choose_fast_path(cfg: DictConfig, device: str, model_dir: str) -> speed.FastPath:
-    """Speed settings (reprotune.speed); on a GPU, micro-batch and checkpointing fitted to the memory budget."""
-    fitted = None
-    if device == "cuda":
-        import torch
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(model_dir, revision=cfg.model.revision,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
-        free, _ = torch.cuda.mem_get_info()
-        liger = speed.choose(cfg, device).liger
-        from reprotune import plan  # make plan's memory model; speed's rule when the plan has no architecture
-        fitted = (plan.preflight(cfg, device, speed.memory_budget(cfg, free))
-                  or speed.fit_micro_batch(cfg, model_config, speed.memory_budget(cfg, free), liger))
-    return speed.choose(cfg, device, fitted)
 
 
 def mean_example_tokens(dataset, n_examples: int) -> float:
@@ -392,12 +374,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = resolve_device(cfg)
-    dtype = resolve_dtype(cfg, device)
     set_reproducibility(cfg, device)
     world = distributed.world()
     distributed.init_process_group(device)
-    log.info("device=%s dtype=%s method=%s model=%s processes=%d", device, dtype, cfg.method.name, cfg.model.name,
-             world.size)
+    log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
 
     train_file = Path(cfg.paths.prepared) / "train.jsonl"
     rows = read_messages(train_file)
@@ -410,10 +390,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_dir, cfg.model)
     training_chat_template(cfg.model, tokenizer, bool(cfg.train.assistant_only_loss))  # one line if TRL can't patch
     original_template = tokenizer.chat_template
-    fast = choose_fast_path(cfg, device, model_dir)
-    log.info("speed: %s", "; ".join(fast.reasons))
-    speed.apply_compile_settings(fast)
-    model = load_base_model(model_dir, cfg, device, dtype, fast.attn_implementation)
+    run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # one decision: reprotune.sizing.decide
+    log.info("settings: %s", "; ".join(run.reasons))
+    speed.apply_compile_settings(run)
+    model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
 
     fingerprint = config_fingerprint(cfg)
     with distributed.main_process_first():
@@ -421,9 +401,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if world.is_main:
             Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
             mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
-    _, batch_line = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
-                                             world.size)
-    log.info("%s; strategy %s", batch_line, distributed.strategy(cfg, world.size))
+    log.info("%s; strategy %s", run.global_batch, run.strategy)
 
     profile = [int(x) for x in cfg.hardware.profile_steps] if cfg.hardware.get("profile_steps") else None
     timer = speed.step_timer_callback(stop_before=profile[0] if profile else None)
@@ -433,7 +411,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(speed.profiler_callback((first, last), str(Path(cfg.paths.train_dir) / "profile.txt")))
     trainer = sealing_trainer_class()(
         model=model,
-        args=sft_config(cfg, device, dtype, bool(val_rows), fast, world.size),
+        args=sft_config(cfg, run, bool(val_rows)),
         callbacks=callbacks,
         train_dataset=Dataset.from_list(rows),
         eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
@@ -463,16 +441,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from reprotune.fused_lora import fused_lora
 
-    with (disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"),
-          fused_lora(trainer.model, active=fast.fused_lora) as fused_layers):
+    with (disable_input_dtype_casting(trainer.model, active=device == "cuda" and run.dtype != "float32"),
+          fused_lora(trainer.model, active=run.fused_lora) as fused_layers):
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
-        apply_liger(trainer.model, active=fast.liger)
+        apply_liger(trainer.model, active=run.liger)
         trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.time() - train_started
     # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
     state_dict = (trainer.accelerator.get_state_dict(trainer.model)
-                  if distributed.strategy(cfg, world.size) == "fsdp2" else None)
+                  if run.strategy == "fsdp2" else None)
     if not world.is_main:
         distributed.barrier()
         return {}
@@ -481,7 +459,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     tokens_seen = int(trainer.state.num_input_tokens_seen)
     steady = timer.steady_tokens_per_second()
     step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, len(rows)),
-                                                 speed.recomputed_share(trainer.model.config, fast))
+                                                 speed.recomputed_share(trainer.model.config, run))
     metrics = {
         "global_step": int(trainer.state.global_step),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
@@ -511,7 +489,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                         "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
         "device": device,
-        "dtype": dtype,
+        "dtype": run.dtype,
         "resumed_from": resume_from,
         "inputs": {"train_data": mf.path_record(train_file, root),
                    # outside the run (a shared cache): an absolute path, used in place by 'make verify'
@@ -532,9 +510,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    if device == "cuda" else None,
                    "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
                    if device == "cuda" else None},
-        "fast_path": fast.as_record(),
+        "run_settings": run.as_record(),
         "distributed": {"world_size": world.size, "nnodes": int(os.environ.get("NNODES") or 1),
-                        "strategy": distributed.strategy(cfg, world.size), "global_batch": batch_line},
+                        "strategy": run.strategy, "global_batch": run.global_batch},
     })
     mf.write_json(out_dir / "manifest.json", record)
     if not cfg.train.run.keep_checkpoints:

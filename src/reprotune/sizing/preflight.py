@@ -1,0 +1,54 @@
+"""make train's preflight: before the model loads, decide the run on this GPU (reprotune.sizing.decide), write
+the plan of it to outputs/plan.json, and stop with one line (exit 2) when it cannot fit the free memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from reprotune.sizing.decide import Hardware, RunSettings, configured_settings, decide
+from reprotune.sizing.fit import describe, overrides_for
+from reprotune.sizing.memory import GIB
+from reprotune.sizing.report import make_plan, write_plan
+from reprotune.sizing.shape import PlanError, Shape, model_shape, shape_from_config
+
+log = logging.getLogger("reprotune.preflight")
+
+
+def train_shape(cfg: DictConfig, model_dir: str | Path) -> Shape | None:
+    """The model's shape: from its preset, else from the config.json of the directory it was loaded from (a hub
+    preset without an `architecture`), else None (the run goes on as configured)."""
+    try:
+        return model_shape(cfg.model)
+    except PlanError:
+        config = Path(model_dir) / "config.json"
+        if not config.is_file():
+            return None
+        try:
+            return shape_from_config(json.loads(config.read_text()), str(config))
+        except PlanError:
+            return None
+
+
+def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> RunSettings:
+    """The run's settings on `hw`; on a GPU also outputs/plan.json, and exit 2 (one line, with the overrides that
+    would fit) when the predicted need is over the free memory."""
+    run = decide(cfg, hw, shape)
+    if hw.device != "cuda" or run.planned is None:
+        return run
+    write_plan(make_plan(cfg, hw, shape, run), cfg)
+    if not run.fits:
+        other = run.fallback
+        hint = (f"settings that fit: {' '.join(overrides_for(other, configured_settings(cfg, hw)))} "
+                f"({run.fallback_card_gib} GiB)"
+                if other else "nothing fits this GPU; use a larger card (make plan shows which)")
+        print(f"train: preflight: predicted {run.predicted['card_gib']} GiB (peak {run.predicted['peak_gib']} GiB "
+              f"allocated) > {hw.free_bytes / GIB:.1f} GiB free on {hw.name}; {hint}", file=sys.stderr)
+        raise SystemExit(2)
+    log.info("preflight: plan: %s: predicted %s GiB peak of a %.1f GiB budget (%.1f GiB free)", describe(run.planned),
+             run.predicted["peak_gib"], run.budget_bytes / GIB, hw.free_bytes / GIB)
+    return run
