@@ -167,9 +167,11 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) 
 
 
 def planned_peak(root: Path) -> float | None:
-    """make train's preflight prediction (outputs/plan.json), to set next to the measured peak."""
-    path = root / "outputs/plan.json"
-    return json.loads(path.read_text())["memory"]["peak_gib"] if path.exists() else None
+    """make train's preflight prediction (outputs/train/plan.json; outputs/plan.json before issue #24), to set
+    next to the measured peak."""
+    path = root / "outputs/train/plan.json"
+    path = path if path.is_file() else root / "outputs/plan.json"
+    return (json.loads(path.read_text())["memory"] or {}).get("peak_gib") if path.exists() else None
 
 
 def main() -> None:

@@ -312,7 +312,8 @@ def test_auto_checkpointing_is_on_only_when_needed(tmp_path: Path) -> None:
     assert sz_decide.decide(forced, sz_decide.Hardware("cuda", 140 * GIB)).activation_checkpointing
     cpu = compose(["model=tiny_random", "hardware=cpu", f"paths.root={tmp_path}"])
     assert sz_preflight.preflight(cpu, sz_decide.Hardware("cpu"), None).predicted is None  # no plan on a CPU
-    assert not (tmp_path / "outputs" / "plan.json").exists()
+    written = json.loads((tmp_path / "outputs" / "train" / "plan.json").read_text())  # train's declared output
+    assert written["memory"] is None and written["run_settings"]["device"] == "cpu"
 
 
 def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
@@ -402,7 +403,7 @@ def test_hf_token_is_checked_by_name_never_written(tmp_path: Path, monkeypatch) 
                    f"paths.outputs={tmp_path / 'out'}"])
     out = sz_report.make_plan(cfg)
     assert not [w for w in out["warnings"] if "gated" in w or "pinned" in w]
-    written = sz_report.write_plan(out, cfg).read_text()
+    written = sz_report.write_plan(out, Path(cfg.paths.outputs) / "plan.json").read_text()
     assert secret not in written and secret not in sz_report.format_plan(out)
 
 

@@ -60,10 +60,10 @@ def test_make_plan_and_make_train_pick_the_same_on_every_card(model: str, method
 
 def test_the_preflight_takes_the_plans_pick_and_writes_it(tmp_path: Path) -> None:
     """The preflight itself on a described 24 GB card: the 8B QLoRA long-context run is make plan's 24 GB row, and
-    outputs/plan.json records that setting; a LoRA that cannot fit stops with the overrides that would."""
+    outputs/train/plan.json records that setting; a LoRA that cannot fit stops with the overrides that would."""
     cfg = _cfg("qwen3_8b_random", "qlora", "long", tmp_path)
     run = preflight(cfg, d.card("RTX 4090"), None)
-    written = json.loads((tmp_path / "outputs" / "plan.json").read_text())
+    written = json.loads((tmp_path / "outputs" / "train" / "plan.json").read_text())
     assert describe(run.planned) == GOLDEN["qwen3_8b_random/qlora/long/24"]["pick"] == written["fit"]["24 GB"]["setting"]
     assert written["settings"]["batch_size"] == run.per_device_train_batch_size
     assert any(r.startswith("plan: ") for r in run.reasons)

@@ -502,9 +502,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     out_dir = Path(cfg.paths.eval_dir)
     root = Path(cfg.paths.root)
-    record = mf.base_manifest("eval", OmegaConf.to_container(cfg, resolve=True))
-    record.update({
-        "manifest_path": os.path.relpath(out_dir / "manifest.json", root),
+    record = mf.stage_record("eval", cfg, out_dir / "manifest.json", **{
         "seeds": {"seed": int(cfg.seed), "repro": cfg.repro},
         "device": device,
         "dtype": dtype,

@@ -5,7 +5,7 @@
     throughput.py   the throughput model: tokens/s on the H200 (others scaled), steps and tokens of a run
     fit.py          the candidate settings of a run and the fastest of those that fit
     decide.py       the one decision: a run's settings from the config and a hardware description, with reasons
-    preflight.py    make train's check on the GPU it runs on: decide, write outputs/plan.json, stop if it cannot fit
+    preflight.py    make train's check on the GPU it runs on: decide, write outputs/train/plan.json, stop if over
     report.py       the plan (outputs/plan.json and its text): memory, fit table, time and cost, warnings
     calibration.py  the models against H200 measurements (conf/plan/calibration.json) and the throughput fit
 

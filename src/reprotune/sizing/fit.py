@@ -49,7 +49,7 @@ def candidate_settings(s: Settings) -> list[Settings]:
     # every layer 6,376)
     ladder += [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
     ladder.append(replace(s, checkpointing=True, ckpt_every=1))
-    for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:  # as reprotune.speed
+    for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:
         ladder.append(replace(s, checkpointing=True, ckpt_every=1, batch_size=bs,
                               grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
     if not s.load_in_4bit:

@@ -1,5 +1,6 @@
 """make train's preflight: before the model loads, decide the run on this GPU (reprotune.sizing.decide), write
-the plan of it to outputs/plan.json, and stop with one line (exit 2) when it cannot fit the free memory."""
+the plan of it to outputs/train/plan.json (a declared DVC output of train: off a GPU it holds the decided settings
+only), and stop with one line (exit 2) when it cannot fit the free memory."""
 
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def train_shape(cfg: DictConfig, model_dir: str | Path) -> Shape | None:
 
 
 def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> RunSettings:
-    """The run's settings on `hw`; on a GPU also outputs/plan.json, and exit 2 (one line, with the overrides that
-    would fit) when the predicted need is over the free memory."""
+    """The run's settings on `hw`, written to outputs/train/plan.json (on a GPU with the whole plan for it); exit 2
+    (one line, with the overrides that would fit) when the predicted need is over the free memory."""
     run = decide(cfg, hw, shape)
+    out = Path(cfg.paths.train_dir) / "plan.json"
     if hw.device != "cuda" or run.planned is None:
+        write_plan({"device": run.device, "run_settings": run.as_record(), "memory": None,
+                    "note": "nothing fitted off a GPU (or without the model's shape); make plan plans a GPU run"}, out)
         return run
-    write_plan(make_plan(cfg, hw, shape, run), cfg)
+    write_plan(make_plan(cfg, hw, shape, run) | {"run_settings": run.as_record()}, out)
     if not run.fits:
         other = run.fallback
         hint = (f"settings that fit: {' '.join(overrides_for(other, configured_settings(cfg, hw)))} "

@@ -204,9 +204,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_plan(plan: dict[str, Any], cfg: DictConfig) -> Path:
+def write_plan(plan: dict[str, Any], out: Path) -> Path:
+    """make plan: outputs/plan.json; make train's preflight: outputs/train/plan.json (a DVC output of train)."""
     from reprotune.manifest import write_json
 
-    out = Path(cfg.paths.outputs) / "plan.json"
     write_json(out, plan)
     return out

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from reprotune.config import CONF_DIR
+from reprotune.config import CONF_DIR, plain
 
 PLAN_DIR = CONF_DIR / "plan"
 
@@ -96,7 +96,7 @@ def shape_from_config(conf: dict[str, Any], source: str, model_type: str | None 
 
 def model_shape(model_cfg: Any) -> Shape:
     """The shape of the configured model, without loading it."""
-    model = _plain(model_cfg)
+    model = plain(model_cfg)
     path = model.get("path")
     if path and (Path(path) / "config.json").is_file():
         return shape_from_config(json.loads((Path(path) / "config.json").read_text()), f"{path}/config.json")
@@ -116,10 +116,6 @@ def model_shape(model_cfg: Any) -> Shape:
     raise PlanError(f"conf/model/{model.get('name')}.yaml: architecture: missing; add the model's config.json numbers "
                     "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
                     "vocab_size, tie_word_embeddings) or set model.path to a local directory with a config.json")
-
-
-def _plain(node: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 @dataclass(frozen=True)
