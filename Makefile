@@ -37,6 +37,7 @@ export NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 .PHONY: help
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@if [ -x $(PY) ]; then echo; $(PY) -m reprotune.pipeline --stages; fi  # the stage registry, as dvc.yaml has it
 
 .PHONY: venv
 venv: ## Build or reuse .venv from lockfiles/<VARIANT>.txt (hash-checked; VARIANT=cpu or cuda)
