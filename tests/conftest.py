@@ -49,13 +49,13 @@ def small_invoices(root: Path) -> None:
     write_jsonl(root / "data/raw/invoices.jsonl", rows)
 
 
-# The modules that take longest on 2 cores, longest first (measured, docs/testing.md); the others follow in
-# collection order. With --dist loadgroup each module is one unit of work (ModuleScheduling below), handed to
-# whichever worker is free: started first, a long module runs beside the many short ones instead of being handed to
-# one worker at the end while the other idles.
-LONGEST_FIRST = ("test_docker", "test_distributed", "test_dvc", "test_make_pipeline", "test_failures",
-                 "test_families_export", "test_resume", "test_repro", "test_repro_golden", "test_export_smollm2",
-                 "test_export_gguf", "test_e2e_smollm2", "test_eval", "test_packing", "test_train")
+# The modules that take longest on 2 cores, longest first (ranked from the --durations of full and fast-lane runs
+# on the 2-core CI machine); the others follow in collection order. With --dist loadgroup each module is one unit
+# of work (ModuleScheduling below), handed to whichever worker is free: started first, a long module runs beside
+# the many short ones instead of being handed to one worker at the end while the other idles.
+LONGEST_FIRST = ("test_docker", "test_distributed", "test_packing", "test_dvc", "test_make_pipeline", "test_failures",
+                 "test_families_export", "test_repro_golden", "test_eval", "test_resume", "test_repro",
+                 "test_export_smollm2", "test_export_gguf", "test_e2e_smollm2", "test_train")
 
 
 def module_of(nodeid: str) -> str:
