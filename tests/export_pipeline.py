@@ -41,7 +41,7 @@ def stage(factory: pytest.TempPathFactory, root: Path, name: str) -> None:
         # EXPORT_ARGS are read by merge and gguf only), and its adapter bytes do not depend on paths.root
         shared = tiny_adapter_run(factory)
         for out in ("outputs/adapter", "outputs/train"):
-            shutil.copytree(shared / out, root / out)
+            shutil.copytree(shared / out, root / out, dirs_exist_ok=True)  # over what a failed attempt left
     elif name == "merge":
         from reprotune.merge import merge
 
