@@ -16,8 +16,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
-# make test / test-all run on every core (at most 4 workers); tests/conftest.py keeps each module on one worker and
-# builds the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
+# make test / test-all run on every core (at most 4 workers); tests/conftest.py keeps each module on one worker (its
+# own loadgroup scheduler: xdist's stopped grouping under pytest 9.2), hands out the longest modules first and builds
+# the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
 PYTEST_XDIST ?= -n auto --maxprocesses=4 --dist loadgroup
 export REPROTUNE_LOCK_VARIANT := $(VARIANT)
 # Runs are offline unless a model preset needs the hub; tokenizers' thread pool is off for determinism.
