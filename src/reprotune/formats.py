@@ -18,7 +18,6 @@ with the file itself), so a user fixes a file in one pass.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from reprotune.errors import ReprotuneError
+from reprotune.io import scan_utf8, text_lf, text_lines
 
 FORMATS = ("chat", "chat_json", "sharegpt", "alpaca", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -122,47 +122,6 @@ def list_input_files(path: Path) -> list[Path]:
 def _type_name(value: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
             bool: "a boolean", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-BOM = b"\xef\xbb\xbf"
-
-
-def _scan(path: Path, problems: _Problems) -> tuple[bool, str]:
-    """(the file is UTF-8, its sha256), read line by line: invalid bytes are reported by line (a leading BOM
-    tolerated), and the file is never held whole."""
-    digest, valid = hashlib.sha256(), True
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            digest.update(raw)
-            line = raw[3:] if number == 1 and raw.startswith(BOM) else raw
-            line = line.removesuffix(b"\n")
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                valid = False
-                problems.add(number, "encoding", f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column "
-                                                 f"{err.start + 1}); save the file as UTF-8", record=False)
-    return valid, digest.hexdigest()
-
-
-def _lines(path: Path) -> Iterator[str]:
-    """A UTF-8 file's text line by line (a leading BOM dropped; CRLF and a lone CR end a line, as LF does),
-    one line in memory at a time: a file of a million records is never held whole (#22)."""
-    ended = True  # the text so far ends a line: what follows (maybe nothing) is one more, as str.split gives
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            text = (raw[3:] if number == 1 and raw.startswith(BOM) else raw).decode("utf-8")
-            ended = text.endswith("\n")
-            if ended:
-                text = text[:-1].removesuffix("\r")  # CRLF is one line end
-            yield from text.split("\r")
-    if ended:
-        yield ""
-
-
-def _decode(path: Path) -> str:
-    """A UTF-8 file's whole text with LF line ends (a JSON array is parsed as one document)."""
-    return "\n".join(_lines(path))
 
 
 TOO_DEEP = "nested too deeply to parse (arrays/objects more than about 1,000 levels deep); flatten the record"
@@ -538,7 +497,7 @@ def _mismatch_line(forced: str, fmt: str, count: int, total: int, first: int, ke
 
 def _first_character(path: Path) -> str:
     """The file's first non-blank character ("" for a blank file): "[" makes it a JSON array."""
-    return next((line.lstrip()[0] for line in _lines(path) if line.strip()), "")
+    return next((line.lstrip()[0] for line in text_lines(path) if line.strip()), "")
 
 
 Sink = Callable[[Record], None]
@@ -550,7 +509,7 @@ def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_inv
     each valid record goes to it as it is read instead of into `records` (prepare keeps ~20 bytes of each)."""
     problems = _Problems(str(path))
     reader = _Reader(problems, extra_keys)
-    utf8, sha256 = _scan(path, problems)
+    utf8, sha256 = scan_utf8(path, problems.add)
     first = _first_character(path) if utf8 else ""
     container = "json_array" if first == "[" or forced == "chat_json" else "jsonl"
     result = FileResult(path=str(path), container=container, format=None if forced == "auto" else forced,
@@ -566,8 +525,8 @@ def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_inv
     first_line_of_format = 0
     mismatched: Counter = Counter()
     first_mismatch: dict[str, tuple[int, list[str]]] = {}
-    rows = (_iter_json_array(_decode(path), problems) if container == "json_array"
-            else _iter_jsonl(_lines(path), problems))
+    rows = (_iter_json_array(text_lf(path), problems) if container == "json_array"
+            else _iter_jsonl(text_lines(path), problems))
     n_rows = 0
     for line, record in rows:
         n_rows += 1

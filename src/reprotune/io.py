@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,49 @@ def read_conversations(path: Path, missing_hint: str = "") -> list[list[dict[str
 
 def jsonl_text(rows: list[Any], sort_keys: bool = False) -> str:
     return "".join(json.dumps(r, ensure_ascii=False, sort_keys=sort_keys) + "\n" for r in rows)
+
+
+# ------------------------------------------------------------------------------------------- UTF-8 text
+BOM = b"\xef\xbb\xbf"
+
+
+def scan_utf8(path: Path, problem: Callable[..., None]) -> tuple[bool, str]:
+    """(the file is UTF-8, its sha256), read line by line: invalid bytes are reported by line (a leading BOM
+    tolerated) through `problem(line, field, what, record=False)`, and the file is never held whole."""
+    digest, valid = hashlib.sha256(), True
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            digest.update(raw)
+            line = raw[3:] if number == 1 and raw.startswith(BOM) else raw
+            line = line.removesuffix(b"\n")
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                valid = False
+                problem(number, "encoding", f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column "
+                                           f"{err.start + 1}); save the file as UTF-8", record=False)
+    return valid, digest.hexdigest()
+
+
+def text_lines(path: Path) -> Iterator[str]:
+    """A UTF-8 file's text line by line (a leading BOM dropped; CRLF and a lone CR end a line, as LF does),
+    one line in memory at a time: a file of a million records is never held whole (#22)."""
+    ended = True  # the text so far ends a line: what follows (maybe nothing) is one more, as str.split gives
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            text = (raw[3:] if number == 1 and raw.startswith(BOM) else raw).decode("utf-8")
+            ended = text.endswith("\n")
+            if ended:
+                text = text[:-1].removesuffix("\r")  # CRLF is one line end
+            yield from text.split("\r")
+    if ended:
+        yield ""
+
+
+def text_lf(path: Path) -> str:
+    """A UTF-8 file's whole text with LF line ends (a JSON array is parsed as one document)."""
+    return "\n".join(text_lines(path))
+
 
 
 # --------------------------------------------------------------------------------------------- atomic files
