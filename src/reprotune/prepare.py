@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -333,14 +332,10 @@ def example_line(messages: list[dict], tools: list | None = None) -> bytes:
 
 def write_manifest(cfg: DictConfig, out: Path) -> None:
     """Inputs and outputs with their hashes, so 'make verify' can re-run and compare this stage."""
-    from omegaconf import OmegaConf
-
     from reprotune import manifest as mf
 
     root = Path(cfg.paths.root)
-    record = mf.base_manifest("prepare", OmegaConf.to_container(cfg, resolve=True))
-    record.update({
-        "manifest_path": os.path.relpath(out / "manifest.json", root),
+    record = mf.stage_record("prepare", cfg, out / "manifest.json", **{
         "inputs": {"raw_data": mf.path_record(Path(cfg.data.path), root)},
         "outputs": {name: mf.path_record(out / file, root) for name, file in
                     (("train", "train.jsonl"), ("holdout", "holdout.jsonl"), ("report", "report.json"),
