@@ -134,6 +134,32 @@ def test_disk_full_is_one_line_naming_the_path() -> None:
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "No space left on device" in debug.stderr
 
 
+def test_under_the_runner_the_stage_hands_its_lines_over_and_one_problem_is_one_line(tmp_path: Path) -> None:
+    """The stage's user_errors writes its lines to the runner's file (nothing on stderr); the runner joins the
+    last one with what it kept: one problem -> one line; several -> one each, then the count; nothing handed
+    over (a crash) -> the kept line alone. The disk-full line's own "(previous outputs are kept)" is not said twice."""
+    from reprotune.runner import failure_lines
+
+    handoff = tmp_path / "problems.json"
+    env = {**os.environ, "REPROTUNE_PROBLEMS_FILE": str(handoff)}
+    proc = subprocess.run([PY, "-c", DISK_FULL], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip() == "", proc.stderr
+    [line] = failure_lines("train", "failed", handoff)
+    assert re.fullmatch(r"/dev/full: disk full \(os error 28\): [\d,]+ bytes free there; free some space and run "
+                        r"again; make train: failed; the previous outputs of train and the stages before it are kept "
+                        r"as they were \(.*\), as dvc\.lock records them", line), line
+    several = subprocess.run([PY, "-c", "from reprotune.errors import ReprotuneError, user_errors\n"
+                                    "with user_errors(summary='prepare: {count} problem(s)'):\n"
+                                    "    raise ReprotuneError(['a.jsonl:1: x: bad', 'a.jsonl:2: y: bad'])"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert several.returncode == 2 and several.stderr.strip() == ""
+    lines = failure_lines("prepare", "failed", handoff)
+    assert lines[:2] == ["a.jsonl:1: x: bad", "a.jsonl:2: y: bad"] and len(lines) == 3
+    assert lines[2].startswith("make prepare: failed (2 problems); the previous outputs of prepare"), lines
+    handoff.unlink()
+    assert failure_lines("prepare", "failed", handoff)[0].startswith("make prepare: failed; the previous outputs")
+
+
 # A 2,048,000-byte LoRA adapter (r=256 on a 1000x1000 linear layer, float32), saved by train's own function
 # through PEFT and safetensors into a 1 MiB tmpfs: safetensors' Rust error names neither path nor size.
 DISK_FULL_ADAPTER = textwrap.dedent("""
@@ -424,9 +450,10 @@ def test_bad_data_keeps_the_previous_prepared_data(trained: tuple[Path, dict, di
     assert outputs_sha(root) == sha
     lines = error_lines(proc.stderr)
     assert "Traceback" not in proc.stderr
-    assert re.search(r"bad\.jsonl:2: messages: must be an array", proc.stderr)
-    assert lines[-1].startswith("make prepare: failed; the previous outputs of prepare and the stages before it "
-                                "are kept as they were (data/prepared/train.jsonl"), lines
+    # one line: the problem and what was kept (runner.failure_lines), then only make's own closing line
+    assert len(lines) == 1, lines
+    assert re.match(r"\S*bad\.jsonl:2: messages: must be an array.*; make prepare: failed; the previous outputs "
+                    r"of prepare and the stages before it are kept as they were \(data/prepared/train\.jsonl", lines[0])
     assert "modified:           data" in dvc_status(root, env)  # params.yaml holds the failed run's data.path
 
 
@@ -466,9 +493,10 @@ def test_a_refused_stage_keeps_the_previous_adapter(trained: tuple[Path, dict, d
     assert proc.returncode != 0
     assert outputs_sha(root) == sha
     lines = error_lines(proc.stderr)
-    assert lines[-2].startswith("hardware.device: hardware=gpu asked for CUDA"), lines
-    assert lines[-1].startswith("make train: failed; the previous outputs of train and the stages before it are "
-                                "kept as they were (outputs/adapter"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hardware.device: hardware=gpu asked for CUDA"), lines
+    assert "; make train: failed; the previous outputs of train and the stages before it are kept as they were " \
+           "(outputs/adapter" in lines[0], lines
 
 
 def start_long_train(root: Path, env: dict, log: Path) -> subprocess.Popen:
@@ -558,9 +586,10 @@ def test_a_refused_merge_keeps_the_previous_merged_model(trained: tuple[Path, di
     refused = make(root, env, "merge", [*merge_args, "export.merge.min_top1_agreement=1.01"])
     assert refused.returncode != 0
     lines = error_lines(refused.stderr)
-    assert lines[-2].startswith("export.merge.min_top1_agreement: the "), lines
-    assert lines[-1].startswith("make merge: failed; the previous outputs of merge and the stages before it are "
-                                "kept as they were (outputs/merged, outputs/export/merge_manifest.json)"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("export.merge.min_top1_agreement: the "), lines
+    assert "; make merge: failed; the previous outputs of merge and the stages before it are kept as they were " \
+           "(outputs/merged, outputs/export/merge_manifest.json)" in lines[0], lines
     assert merged_sha() == before
     again = make(root, env, "merge", merge_args)
     assert again.returncode == 0 and "Running stage" not in again.stdout + again.stderr

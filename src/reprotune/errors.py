@@ -9,12 +9,17 @@ Two failures that are the machine's, not the code's, are one line too: the disk 
 bytes it needed) and input nested too deep to parse (RecursionError). REPROTUNE_DEBUG=1 re-raises every one of
 them with its traceback. `user_errors()` also ties the stage to the process that launched it (Linux
 PR_SET_PDEATHSIG): when `make`/dvc dies, even by SIGKILL, the stage gets SIGTERM and writes nothing more.
+
+Under `make` the stage runs inside `dvc repro`, started by reprotune.runner, which names a file in
+REPROTUNE_PROBLEMS_FILE: the lines go there instead of stderr, and the runner prints them joined with what it
+kept, so a single problem reads as one line through make too (runner.failure_lines).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import signal
 import sys
@@ -23,6 +28,10 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 EXIT_USER_ERROR = 2
+# set by reprotune.runner for the stage it runs through dvc: where user_errors hands its lines over
+PROBLEMS_FILE_ENV = "REPROTUNE_PROBLEMS_FILE"
+# the disk-full line's closing words; the runner, which names what was kept itself, leaves them out
+KEPT = " (the previous outputs are kept)"
 
 
 class ReprotuneError(Exception):
@@ -100,7 +109,7 @@ def disk_full_line(err: BaseException) -> str:
     needed = _needed_bytes(err)
     space = (f"needs ~{_size(needed)}, {_size(max(0, _free_bytes(where)))} free there" if needed
              else f"{_free_bytes(where):,} bytes free there")
-    return f"{where}: disk full (os error 28): {space}; free some space and run again (the previous outputs are kept)"
+    return f"{where}: disk full (os error 28): {space}; free some space and run again{KEPT}"
 
 
 def _needed_bytes(err: BaseException | None) -> int | None:
@@ -151,6 +160,19 @@ def _is_disk_full(err: BaseException) -> bool:
     return False
 
 
+def _tell(problems: list[str], summary: str | None = None, total: int | None = None) -> None:
+    """The lines of a user error: to the runner's file when a runner asked for them, else to stderr."""
+    handoff = os.environ.get(PROBLEMS_FILE_ENV)
+    if handoff:
+        try:
+            with open(handoff, "w", encoding="utf-8") as fh:
+                json.dump({"problems": problems, "total": total or len(problems)}, fh)
+            return
+        except OSError:
+            pass  # the runner's folder went away (or the disk is full): say it here instead
+    print("\n".join([*problems, *([summary] if summary else [])]), file=sys.stderr)
+
+
 @contextmanager
 def user_errors(summary: str | None = None) -> Iterator[None]:
     """Run a stage's body: a ReprotuneError becomes its lines on stderr (+ `summary`) and exit status 2;
@@ -161,18 +183,16 @@ def user_errors(summary: str | None = None) -> Iterator[None]:
     except ReprotuneError as err:
         if debug():
             raise
-        print("\n".join(err.problems), file=sys.stderr)
-        if summary:
-            print(summary.format(count=err.total), file=sys.stderr)
+        _tell(err.problems, summary.format(count=err.total) if summary else None, err.total)
         sys.exit(EXIT_USER_ERROR)
     except RecursionError:
         if debug():
             raise
-        print("input: nested too deeply to process (RecursionError); flatten the record "
-              "(REPROTUNE_DEBUG=1 shows where)", file=sys.stderr)
+        _tell(["input: nested too deeply to process (RecursionError); flatten the record "
+               "(REPROTUNE_DEBUG=1 shows where)"])
         sys.exit(EXIT_USER_ERROR)
     except Exception as err:
         if debug() or not _is_disk_full(err):
             raise
-        print(disk_full_line(err), file=sys.stderr)
+        _tell([disk_full_line(err)])
         sys.exit(EXIT_USER_ERROR)

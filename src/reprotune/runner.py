@@ -31,9 +31,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from reprotune.errors import EXIT_USER_ERROR, ReprotuneError, die_with_parent, user_errors
+from reprotune.errors import (
+    EXIT_USER_ERROR,
+    KEPT,
+    PROBLEMS_FILE_ENV,
+    ReprotuneError,
+    die_with_parent,
+    user_errors,
+)
 
 LOCK = Path(".dvc/tmp/reprotune-run.lock")
+# where the stage's user_errors hands over its lines (errors.PROBLEMS_FILE_ENV), written under the run lock
+PROBLEMS = Path(".dvc/tmp/reprotune-problems.json")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # after SIGTERM a stage gets this long to stop before its group is killed
 GRACE_S = 20.0
@@ -92,6 +101,20 @@ def kept_line(stage: str, how: str) -> str:
     whose = "every stage" if stage == "all" else f"{stage} and the stages before it"
     kept = f" ({', '.join(present)})" if present else " (none existed yet)"
     return f"make {stage}: {how}; the previous outputs of {whose} are kept as they were{kept}, as dvc.lock records them"
+
+
+def failure_lines(stage: str, how: str, handoff: Path = PROBLEMS) -> list[str]:
+    """What the user reads when the stage failed: its problems and what was kept, the last problem and the kept
+    note joined, so one problem is one line (several: one each, then the count with the kept note)."""
+    try:
+        told = json.loads(handoff.read_text(encoding="utf-8"))
+        problems = [p.removesuffix(KEPT) for p in told["problems"]]
+        total = int(told["total"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [kept_line(stage, how)]  # the stage said nothing through the file (a crash, a signal)
+    if len(problems) == 1:
+        return [f"{problems[0]}; {kept_line(stage, how)}"]
+    return [*problems, kept_line(stage, f"{how} ({total} problems)")]
 
 
 # ------------------------------------------------------------------------------------------- dvc, guarded
@@ -176,7 +199,8 @@ def dvc_repro(stage: str) -> tuple[int, int | None]:
     import threading
 
     bindir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+           PROBLEMS_FILE_ENV: str(PROBLEMS.resolve())}
     cmd = [str(Path(bindir) / "dvc"), "repro", *([] if stage == "all" else [stage])]
     child = subprocess.Popen(cmd, env=env, preexec_fn=_dvc_in_group, stderr=subprocess.PIPE)  # noqa: PLW1509
     forward = Forwarder(child)
@@ -199,13 +223,17 @@ def run(stage: str, overrides: list[str]) -> int:
     with checkout_lock(command):
         dump_params(overrides, Path("params.yaml"))
         print("wrote params.yaml", flush=True)
-        code, signum = dvc_repro(stage)
-    if signum is not None:
-        print(kept_line(stage, f"stopped by {signal.Signals(signum).name}"), file=sys.stderr)
-        return 128 + signum
-    if code != 0:
-        print(kept_line(stage, "failed"), file=sys.stderr)
-    return code
+        PROBLEMS.unlink(missing_ok=True)  # a file left by an earlier run is not this run's
+        try:
+            code, signum = dvc_repro(stage)
+            if signum is not None:
+                print(kept_line(stage, f"stopped by {signal.Signals(signum).name}"), file=sys.stderr)
+                return 128 + signum
+            if code != 0:
+                print("\n".join(failure_lines(stage, "failed")), file=sys.stderr)
+            return code
+        finally:
+            PROBLEMS.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:
