@@ -15,6 +15,9 @@ In this order, so that nothing is lost or mis-recorded:
    stage and its workers stop at once. The stage outputs are `persist: true` in dvc.yaml, so DVC no longer
    deletes them before the command runs; each stage builds its outputs aside and swaps them in (io.py). A
    failed, refused or stopped stage therefore leaves the previous outputs and dvc.lock as they were.
+4. **One line about it.** The stage hands its error lines to this runner through a file
+   (errors.PROBLEMS_FILE_ENV) instead of printing them, and the runner prints the reason and what it kept as
+   one line (failure_lines); DVC's own "failed to reproduce" line is left out.
 """
 
 from __future__ import annotations
