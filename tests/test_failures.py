@@ -416,10 +416,14 @@ def make(root: Path, env: dict, target: str, args: list[str], timeout: int = 120
                           text=True, timeout=timeout)
 
 
+PROGRESS_BAR = re.compile(r"\d+%\|.*\| \d+/\d+ \[")  # tqdm's "Writing model shards: 100%|████| 1/1 [00:00<...]"
+
+
 def error_lines(stderr: str) -> list[str]:
     """What the user reads about the failure: stderr minus progress, WARNING and make's own closing line."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(
-        ("WARNING", "make: ***", "+ -m", "Loading", "global batch", "Failed to load CPU", "Terminated", ">"))]
+    return [line for line in stderr.splitlines() if line.strip() and not PROGRESS_BAR.search(line) and not
+            line.startswith(("WARNING", "make: ***", "+ -m", "Loading", "global batch", "Failed to load CPU",
+                             "Terminated", ">"))]
 
 
 def dvc_status(root: Path, env: dict) -> str:

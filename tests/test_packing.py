@@ -213,7 +213,40 @@ def test_cpu_default_keeps_the_unpacked_path() -> None:
     fast = decide(cfg, Hardware("cpu"), None, None)
     assert not fast.packing and not fast.liger and not fast.activation_checkpointing
     gpu = decide(compose(["model=tiny_random", "hardware=gpu"]), card("H200"), None, None)
-    assert gpu.packing and gpu.attn_implementation == "flex_attention"
+    assert gpu.packing and gpu.attn_implementation == "varlen_attention" and not gpu.dynamic_shapes
+
+
+@pytest.mark.parametrize(("extra", "hardware", "want"), [
+    ([], {}, "varlen_attention"),                                    # packed CUDA: the varlen kernel
+    (["repro=strict"], {}, "flex_attention"),                        # its backward is not deterministic
+    ([], {"varlen_attention": False}, "flex_attention"),             # torch or the GPU without it
+    (["hardware.attn_implementation=sdpa"], {}, "sdpa"),            # asked for by name
+    (["train.packing=false"], {}, None),                             # unpacked: the library's default
+])
+def test_packed_gpu_runs_pick_the_varlen_kernel_unless_strict(extra: list[str], hardware: dict, want: str) -> None:
+    from dataclasses import replace
+
+    run = decide(compose(["model=tiny_random", "hardware=gpu", *extra]), replace(card("H200"), **hardware),
+                 None, None)
+    assert run.attn_implementation == want
+    assert any(r == f"attention={want or 'sdpa'}" for r in run.reasons), run.reasons
+
+
+def test_the_varlen_kernel_is_known_to_transformers_once_registered() -> None:
+    """What load_base_model does before from_pretrained: the name passes transformers' check and the model
+    dispatches to reprotune's function (the kernel itself runs only on CUDA: tests/test_varlen_gpu.py)."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from reprotune import varlen_attention
+
+    assert varlen_attention.available()
+    varlen_attention.register()
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "varlen_attention"
+    model = LlamaForCausalLM(config)
+    assert model.config._attn_implementation == "varlen_attention"
+    assert AttentionInterface().get_interface("varlen_attention", None) is varlen_attention.varlen_attention_forward
 
 
 def _shape(**kw):

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from reprotune import varlen_attention
 from reprotune.config import plain
 from reprotune.errors import ReprotuneError
 from reprotune.io import fresh_dir, install_dir_once
@@ -340,6 +341,8 @@ def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_impl
                               "trust_remote_code": cfg.model.trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if attn_implementation == varlen_attention.NAME:
+        varlen_attention.register()  # transformers checks the name when the model loads
     quant = quantization(cfg)
     if quant:
         kwargs["quantization_config"] = BitsAndBytesConfig(

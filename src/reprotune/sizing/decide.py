@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune import distributed
+from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, quantization
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import describe, fit_to_budget, fitting_setting
@@ -47,6 +47,8 @@ class Hardware:
     name: str = ""
     liger_installed: bool = True     # the CUDA lock installs liger-kernel; detect() looks
     world_size: int = 1
+    # torch's FlashAttention varlen kernel (torch >= 2.10 on sm80+: every card of conf/plan/throughput.yaml)
+    varlen_attention: bool = True
 
 
 def card(gpu: str, world_size: int = 1) -> Hardware:
@@ -67,7 +69,8 @@ def detect(device: str) -> Hardware:
     import torch
 
     return Hardware(device="cuda", free_bytes=float(torch.cuda.mem_get_info()[0]),
-                    name=torch.cuda.get_device_name(), liger_installed=liger_available(), world_size=world)
+                    name=torch.cuda.get_device_name(), liger_installed=liger_available(), world_size=world,
+                    varlen_attention=varlen_attention.available() and torch.cuda.get_device_capability() >= (8, 0))
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     fast = cuda if _auto(h.get("fast_path", "auto")) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     packing = fast if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-    attn = attention(cfg, packing, hw.device)
+    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention)
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.get("liger_kernel", "auto")
     if _auto(liger):
@@ -151,6 +154,7 @@ def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
                     checkpointing=True if _auto(ckpt) else bool(ckpt), packing=p.packing,
                     batch_size=int(train.per_device_train_batch_size),
                     grad_accum=int(train.gradient_accumulation_steps), max_length=int(train.max_length),
+                    # varlen_attention keeps what flex attention keeps for backward (q, k, v, out, lse): one rule
                     eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg))
