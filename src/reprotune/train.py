@@ -299,7 +299,7 @@ def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: lis
     if is_preference(cfg):
         if not len(trainer.train_dataset):  # TRL drops pairs whose prompt alone fills max_length
             raise ReprotuneError(f"{Path(cfg.paths.prepared) / 'train.jsonl'}:1: prompt: every prompt fills "
-                                 f"objective.max_length ({cfg.objective.get('max_length')}): nothing to train on")
+                                 "objective.max_length: nothing to train on")
     elif assistant_tokens(trainer) == 0:  # TRL drops examples whose labels are all masked
         raise ReprotuneError(f"{cfg.model.training_chat_template}: generation: the loss mask is empty, no assistant "
                              "tokens to learn from (check the {% generation %} block of the training template)")
