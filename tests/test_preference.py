@@ -110,14 +110,18 @@ def test_pii_is_replaced_alike_in_prompt_chosen_and_rejected(tmp_path: Path) -> 
 
 def test_builtin_invoices_get_wrong_extractions_deterministically(workspace: tuple[Path, list[str]]) -> None:
     from reprotune.invoices import FIELDS, generate, write_jsonl
+    from reprotune.prepare import in_holdout
 
     root, over = workspace
     raw = root / "raw.jsonl"
     write_jsonl(generate(12, 1234), raw)
-    first, hold, report = prepared(root, raw, "data.preference.rejected=invoices", "data.holdout_fraction=0")
-    again, _, _ = prepared(root, raw, "data.preference.rejected=invoices", "data.holdout_fraction=0")
-    assert first == again and len(first) == 12 and report["inputs"][0]["format"] == "sft+invoices"
-    for row in first:
+    first, hold, report = prepared(root, raw, "data.preference.rejected=invoices", "data.holdout_fraction=0.3")
+    again, hold_again, _ = prepared(root, raw, "data.preference.rejected=invoices", "data.holdout_fraction=0.3")
+    assert (first, hold) == (again, hold_again) and len(first) + len(hold) == 12
+    assert report["inputs"][0]["format"] == "sft+invoices" and report["split_key"].startswith("conversation")
+    sft_holdout = [ex for ex in generate(12, 1234) if in_holdout(ex, 0.3)]  # the SFT prepare's split
+    assert [r["prompt"] + r["chosen"] for r in hold] == [ex["messages"] for ex in sft_holdout] and hold
+    for row in first + hold:
         chosen, rejected = (json.loads(row[k][0]["content"]) for k in ("chosen", "rejected"))
         assert chosen != rejected and list(rejected) == list(FIELDS)
         assert sum(chosen[f] != rejected[f] for f in FIELDS) in (1, 2)  # one mistake (a swap moves two fields)

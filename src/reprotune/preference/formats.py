@@ -50,6 +50,7 @@ class PairRecord:
     format: str
     file: str
     line: int
+    split_key: str | None = None  # what decides its split when not its prompt (pairs derived from SFT data)
 
     @property
     def paired(self) -> bool:

@@ -13,7 +13,8 @@ Steps: read and validate (every problem at once); drop exact duplicates; report 
 or keep them (data.preference.ties); scrub PII in one pass over every pair's texts, so a value becomes the same
 fake in prompt, chosen and rejected (reprotune.pii keeps one mapping per dataset); measure each sequence
 (prompt + answer) with the model's chat template and drop pairs over data.max_length; split by a hash of the
-prompt, so no prompt is in both train and holdout. The whole dataset is in memory (no spool, unlike SFT's).
+prompt, so no prompt is in both train and holdout (pairs derived from SFT conversations: by the conversation's
+hash, exactly as the SFT prepare splits it, so an SFT adapter never trained on a pair of the holdout). The whole dataset is in memory (no spool, unlike SFT's).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def derived_pairs(cfg: DictConfig, rejected_by: str) -> list[PairRecord]:
         conv = rec["messages"]
         rng = random.Random(f"{seed}:{content_key(conv)}")  # per example: appending data moves no old pair
         wrong = {"role": "assistant", "content": wrong_extraction(conv[-1]["content"], rng)}
+        # split as the SFT prepare splits this conversation: an SFT adapter's holdout is the pairs' holdout
         out.append(PairRecord(row={"prompt": conv[:-1], "chosen": conv[-1:], "rejected": [wrong]},
-                              format=f"sft+{rejected_by}", file=str(cfg.data.path), line=line))
+                              format=f"sft+{rejected_by}", file=str(cfg.data.path), line=line,
+                              split_key=content_key(conv)))
     return out
 
 
@@ -132,9 +135,10 @@ def load_tokenizer(cfg: DictConfig) -> Any:
 
 
 # -------------------------------------------------------------------------------------------------- stage
-def prompt_in_holdout(row: dict[str, Any], fraction: float) -> bool:
-    """By the prompt alone: every pair of one prompt lands on the same side."""
-    return key_fraction(content_key(row["prompt"])) < fraction
+def in_holdout(record: PairRecord, fraction: float) -> bool:
+    """By the prompt alone: every pair of one prompt lands on the same side. Pairs derived from SFT conversations
+    (one pair per conversation) by the conversation's key, as reprotune.prepare splits it."""
+    return key_fraction(record.split_key or content_key(record.row["prompt"])) < fraction
 
 
 def row_line(row: dict[str, Any]) -> bytes:
@@ -165,7 +169,7 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
     tokenizer, max_length = load_tokenizer(cfg), int(data.max_length)
     lengths = [sequence_lengths(tokenizer, row) for row in rows]
     fits = [n <= max_length for n in lengths]
-    holdout = [prompt_in_holdout(r.row, float(data.holdout_fraction)) for r in kept]  # the prompt as read
+    holdout = [in_holdout(r, float(data.holdout_fraction)) for r in kept]  # the prompt as read, before scrubbing
     train_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and not h]
     holdout_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and h]
     if not train_rows:
@@ -177,7 +181,8 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
         "inputs": [{"file": f, "format": fmt, "records": n} for (f, fmt), n in
                    sorted(Counter((r.file, r.format) for r in records).items())],
         "holdout_fraction": float(data.holdout_fraction), "max_length": max_length,
-        "split_key": "prompt",
+        "split_key": "conversation (as the SFT prepare)" if pref.get("rejected") and records and
+        records[0].split_key else "prompt",
         "pairs": {"read": len(records) + len(skipped), "skipped_invalid": len(skipped),
                   "duplicates_dropped": len(records) - len(unique),
                   "ties": {"policy": ties_policy, "count": len(ties),

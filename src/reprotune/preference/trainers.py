@@ -24,7 +24,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from reprotune.config import library_keys
 from reprotune.errors import ReprotuneError
@@ -119,8 +119,9 @@ def objective_record(cfg: DictConfig, root: Path) -> dict[str, Any]:
     from reprotune import manifest as mf
 
     init = init_adapter_dir(cfg)
+    loss = cfg.objective.get("loss_type")
     return {"name": objective_name(cfg), "reference": reference(cfg), "beta": cfg.objective.get("beta"),
-            "loss_type": cfg.objective.get("loss_type"),
+            "loss_type": OmegaConf.to_container(loss) if OmegaConf.is_config(loss) else loss,
             "init_adapter": mf.path_record(init, root) if init else None}
 
 
