@@ -214,3 +214,33 @@ def test_decide_runs_as_configured_for_a_preference_objective(tmp_path: Path) ->
     assert run.planned is None and run.packing is False and run.fits
     assert any("preference objective: memory not modelled (uncalibrated" in r for r in run.reasons)
     assert decide(cfg, Hardware("cpu"), None, None).per_device_train_batch_size == 4
+
+
+@pytest.mark.slow  # three training processes, one killed mid-run
+def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -> None:
+    """The SFT resume machinery (reprotune.checkpoints: sealed checkpoints, the run's fingerprint) under DPO."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_resume import stage_env, wait_for_sealed
+
+    run = [*PAIRS_TRAIN, "objective=dpo", "train.max_steps=4", "train.save_steps=2"]
+    cmd = lambda root: [sys.executable, "-m", "reprotune.train", *run, f"paths.root={root}"]  # noqa: E731
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for root in (straight, killed):
+        pair_workspace(root)
+    subprocess.run(cmd(straight), env=stage_env(), check=True, capture_output=True, timeout=600)
+    proc = subprocess.Popen(cmd(killed), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_sealed(killed / "outputs/checkpoints", 2, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "outputs/adapter").exists()
+    rerun = subprocess.run(cmd(killed), env=stage_env(2), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed, whole = (json.loads((r / "outputs/train/manifest.json").read_text()) for r in (killed, straight))
+    assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == "checkpoint-2"
+    assert resumed["outputs"]["adapter"]["sha256"] == whole["outputs"]["adapter"]["sha256"]
+    assert (killed / "outputs/train/metrics.json").read_bytes() == (straight / "outputs/train/metrics.json").read_bytes()
