@@ -244,3 +244,31 @@ def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -
     assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == "checkpoint-2"
     assert resumed["outputs"]["adapter"]["sha256"] == whole["outputs"]["adapter"]["sha256"]
     assert (killed / "outputs/train/metrics.json").read_bytes() == (straight / "outputs/train/metrics.json").read_bytes()
+
+
+@pytest.mark.slow  # prepare + a DPO run on the built-in pairs + eval of three systems
+def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from reprotune.evaluate import evaluate
+    from reprotune.invoices import generate, write_jsonl
+    from reprotune.prepare import prepare
+
+    sft = tmp_path / "sft_adapter"
+    shutil.copytree(tiny_adapter_run(tmp_path_factory) / "outputs" / "adapter", sft)
+    write_jsonl(generate(16, 1234), tmp_path / "raw.jsonl")
+    over = [f"paths.root={tmp_path}", "model=tiny_random", "objective=dpo", f"objective.init_adapter={sft}",
+            f"data.path={tmp_path / 'raw.jsonl'}", "data.scrub=false", "data.holdout_fraction=0.3"]
+    prepare(compose(over))
+    run_train(tmp_path, *over[2:])
+    result = evaluate(compose([*over, "eval.max_examples=3", "eval.max_new_tokens=8"]))
+    pref = result["metrics"]["preference"]
+    assert pref["pairs"] == 3 and pref["beta"] == 0.1
+    assert "reward_accuracy" not in pref["base"] and {"reward_accuracy", "reward_margin"} <= pref["sft"].keys()
+    assert pref["tuned"]["reward_margin"] != pref["sft"]["reward_margin"]  # DPO moved the adapter
+    assert pref["sft"]["logp_chosen"] != pref["base"]["logp_chosen"]  # the SFT adapter really is loaded
+    out = tmp_path / "outputs" / "eval"
+    assert json.loads((out / "metrics.json").read_text())["preference"] == pref
+    assert "Holdout pairs (objective dpo)" in (out / "report.md").read_text()
+    first = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
+    assert set(first["logps"]) == {"index", "base", "sft", "tuned"}
+    assert result["metrics"]["tuned"]["field_accuracy"] >= 0  # the task's metrics next to the pairs'
