@@ -186,12 +186,17 @@ def test_dpo_starts_from_an_sft_adapter_which_is_the_reference(tmp_path: Path,
         run_train(tmp_path, "objective=dpo", f"objective.init_adapter={out}")
 
 
-@pytest.mark.parametrize(("objective", "fixture"), [("orpo", "trl_conversational.jsonl"), ("kto", "kto.jsonl")])
-def test_orpo_and_kto_train_with_trl(tmp_path: Path, objective: str, fixture: str) -> None:
+@pytest.mark.parametrize(("objective", "fixture", "method"), [("orpo", "trl_conversational.jsonl", "lora"),
+                                                               ("kto", "kto.jsonl", "lora"),
+                                                               ("dpo", "trl_standard.jsonl", "dora")])
+def test_orpo_kto_and_dpo_on_dora_train_with_trl(tmp_path: Path, objective: str, fixture: str, method: str) -> None:
     pair_workspace(tmp_path, fixture)
-    record = run_train(tmp_path, f"objective={objective}")
+    record = run_train(tmp_path, f"objective={objective}", f"method={method}")
+    assert record["run_settings"]["method"] == method
     assert record["objective"]["name"] == objective
     assert record["objective"]["reference"].startswith("none" if objective == "orpo" else "base")
+    if method == "dora":
+        assert json.loads((tmp_path / "outputs/adapter/adapter_config.json").read_text())["use_dora"] is True
     metrics = json.loads((tmp_path / "outputs/train/metrics.json").read_text())
     assert metrics["global_step"] == 2 and metrics["final_train_loss"] == metrics["final_train_loss"]  # not NaN
 
