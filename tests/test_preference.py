@@ -14,7 +14,8 @@ from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.preference.formats import read_preference_data
 from reprotune.sizing.decide import Hardware, card, decide
-from tests.conftest import tiny_adapter_run
+
+from .conftest import tiny_adapter_run
 
 FIX = Path(__file__).parent / "data" / "preference"
 
@@ -68,6 +69,7 @@ def test_bad_records_are_file_line_field_errors_all_at_once() -> None:
     assert any("bad.jsonl:2: chosen[0].role: unknown role 'robot'" in line for line in lines)
     assert any('bad.jsonl:3: label: expected true or false, got "yes"' in line for line in lines)
     assert any("bad.jsonl:4: record: no preference format has these keys (foo)" in line for line in lines)
+    assert any("bad.jsonl:5: non_preferred_output: expected a non-empty list of messages" in line for line in lines)
     assert not any("bad.jsonl:1:" in line for line in lines)
 
 
@@ -229,7 +231,7 @@ def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -
     import subprocess
     import sys
 
-    from tests.test_resume import stage_env, wait_for_sealed
+    from .test_resume import stage_env, wait_for_sealed
 
     run = [*PAIRS_TRAIN, "objective=dpo", "train.max_steps=4", "train.save_steps=2"]
     cmd = lambda root: [sys.executable, "-m", "reprotune.train", *run, f"paths.root={root}"]  # noqa: E731

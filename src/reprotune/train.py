@@ -291,7 +291,9 @@ def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: lis
 
     obj = objective(cfg)
     # a model that already holds the starting adapter (objective.init_adapter) trains it; else a fresh one
-    peft_config = None if hasattr(model, "peft_config") else lora_config(cfg)
+    from peft import PeftModel
+
+    peft_config = None if isinstance(model, PeftModel) else lora_config(cfg)
     trainer = obj.trainer_class(model=model, args=obj.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,

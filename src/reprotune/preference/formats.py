@@ -218,6 +218,7 @@ def renamed(rec: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
 
 def read_record(rec: Any, fmt: str, mapping: dict[str, str], path: str, line: int) -> PairRecord:
     """One raw record as a canonical row; ReprotuneError `file:line: field: what` when it is not one."""
+    found = fmt
     try:
         if not isinstance(rec, dict):
             raise FormatError("record", "expected a JSON object")
@@ -229,7 +230,7 @@ def read_record(rec: Any, fmt: str, mapping: dict[str, str], path: str, line: in
     except FormatError as err:
         raise ReprotuneError(f"{path}:{line}: {err}") from None
     except KeyError as err:
-        raise ReprotuneError(f"{path}:{line}: {err.args[0]}: missing (format {fmt})") from None
+        raise ReprotuneError(f"{path}:{line}: {err.args[0]}: missing (format {found})") from None
 
 
 def data_files(path: Path) -> list[Path]:
