@@ -279,3 +279,11 @@ def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
     first = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
     assert set(first["logps"]) == {"index", "base", "sft", "tuned"}
     assert result["metrics"]["tuned"]["field_accuracy"] >= 0  # the task's metrics next to the pairs'
+
+
+def test_make_plan_refuses_a_preference_run_in_one_line(tmp_path: Path) -> None:
+    from reprotune.sizing.report import make_plan
+    from reprotune.sizing.shape import PlanError
+
+    with pytest.raises(PlanError, match=r"objective=dpo: preference memory is not modelled yet"):
+        make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"]))
