@@ -1,4 +1,4 @@
-"""Train stage: TRL SFTTrainer + PEFT (LoRA, QLoRA, DoRA) on the prepared chat data.
+"""Train stage: TRL SFTTrainer (or DPO/ORPO/KTO: objective=) + PEFT (LoRA, QLoRA, DoRA) on the prepared data.
 
     python -m reprotune.train [hydra overrides]      # == make train ARGS="..."
 
@@ -11,7 +11,8 @@ Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs
 
 `train` is the recipe, read top to bottom: setup (device, data, tokenizer, the run's settings decided once by
 reprotune.sizing.decide, model, the objective's trainer) -> train -> save -> report. Checkpoint sealing and
-resume are reprotune.checkpoints; the objective (SFT) is `objective`.
+resume are reprotune.checkpoints; the objective is `objective` (SFT here; DPO, ORPO and KTO from
+reprotune.preference.trainers, on the preference pairs prepare wrote: docs/preference.md).
 """
 
 from __future__ import annotations
@@ -240,8 +241,7 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
 # ------------------------------------------------------------------------------------------------- steps
 @dataclass(frozen=True)
 class Objective:
-    """What a training objective brings to the recipe: its trainer class and its config. SFT today; a preference
-    objective (DPO, ORPO, KTO) plugs in by returning its TRL trainer and config builder from `objective`."""
+    """What a training objective brings to the recipe: its trainer class and its config (SFT, DPO, ORPO, KTO)."""
     trainer_class: type
     trainer_config: Callable[[DictConfig, RunSettings, bool], Any]  # (cfg, run, has_validation) -> TrainingArguments
 
