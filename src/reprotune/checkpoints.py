@@ -33,6 +33,8 @@ def config_fingerprint(cfg: DictConfig) -> str:
     keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "method", "data", "train")}
     keep["seed"] = cfg.seed
     keep["repro"] = cfg.repro
+    if cfg.get("objective") and cfg.objective.name != "sft":  # SFT's fingerprint as before the objective group
+        keep["objective"] = OmegaConf.to_container(cfg.objective, resolve=True)
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 

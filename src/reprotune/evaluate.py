@@ -38,6 +38,7 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text, fresh_dir, iter_jsonl, jsonl_text, replace_all, save_figure
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.preference import is_preference, pair_eval
 from reprotune.runtime import attention, resolve_device, resolve_dtype, set_reproducibility
 
 log = logging.getLogger("reprotune.evaluate")
@@ -76,6 +77,8 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
     for lineno, row in iter_jsonl(path, "run 'make prepare' first"):
         where = f"{path}:{lineno}"
         messages = row.get("messages") if isinstance(row, dict) else None
+        if isinstance(row, dict) and messages is None and isinstance(row.get("chosen"), list):
+            messages = [*row.get("prompt", []), *row["chosen"]]  # a preference pair: the chosen answer is the reference
         if not isinstance(messages, list) or len(messages) < 2:
             raise ReprotuneError(f"{where}: messages: must be a list of at least 2 messages")
         for i, msg in enumerate(messages):
@@ -372,6 +375,8 @@ def write_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], records: 
         "",
         table,
         "",
+        *([f"## Holdout pairs (objective {cfg.objective.name}): implicit reward against the base", "",
+           pair_eval.table(metrics["preference"]), ""] if "preference" in metrics else []),
         f"## Where base and tuned differ ({n_differ} of {metrics['examples']}; "
         f"{len(shown)} shown, worst regressions first)",
         "",
@@ -401,9 +406,13 @@ def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) ->
     systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
     rates = [n for n in names if not n.startswith("field/")]
     losses = [n for n in ("loss", "perplexity") if n in metrics["base"]]
-    fig, axes = plt.subplots(1, 1 + len(losses), figsize=(3 + 1.1 * len(rates) + 2 * len(losses), 4), dpi=100,
-                             gridspec_kw={"width_ratios": [max(2, len(rates)), *([1] * len(losses))]},
+    pairs = [2] if "preference" in metrics else []  # a preference run: reward and log-prob accuracy of pairs
+    fig, axes = plt.subplots(1, 1 + len(losses) + len(pairs),
+                             figsize=(3 + 1.1 * len(rates) + 2 * len(losses) + 3 * len(pairs), 4), dpi=100,
+                             gridspec_kw={"width_ratios": [max(2, len(rates)), *([1] * len(losses)), *pairs]},
                              squeeze=False)
+    if pairs:
+        pair_eval.plot_axes(axes[0][-1], metrics["preference"])
     width = 0.8 / len(systems)
     for k, system in enumerate(systems):
         values = [100 * metrics[system].get(n, 0.0) for n in rates]
@@ -415,7 +424,7 @@ def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) ->
     axes[0][0].set_ylabel("% of holdout examples (higher is better)")
     axes[0][0].set_ylim(0, 110)
     axes[0][0].legend(fontsize=8)
-    for ax, name in zip(axes[0][1:], losses, strict=True):
+    for ax, name in zip(axes[0][1:1 + len(losses)], losses, strict=True):
         present = [s for s in systems if name in metrics[s]]
         ax.bar([SYSTEM_LABELS[s] for s in present], [metrics[s][name] for s in present],
                color=[f"C{systems.index(s)}" for s in present])
@@ -455,6 +464,14 @@ def write_outputs(out_dir: Path, root: Path, cfg: DictConfig, metrics: dict[str,
     return table
 
 
+def preference_pass(cfg: DictConfig, model, tokenizer, holdout: Path) -> tuple[dict[str, Any], list[dict]]:
+    """A preference run's holdout pairs through base, the SFT adapter it started from and the trained adapter."""
+    init = cfg.objective.get("init_adapter")
+    init_dir = Path(str(init)) if init and (Path(str(init)) / "adapter_config.json").is_file() else None
+    rows = pair_eval.read_pairs(holdout, cfg.eval.max_examples)
+    return pair_eval.preference_eval(model, tokenizer, rows, float(cfg.objective.get("beta") or 0.1), init_dir)
+
+
 # --------------------------------------------------------------------------------------------------- main
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import torch
@@ -484,6 +501,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     runs["base"] = run_local(model, tokenizer, examples, "base", cfg, batch_size, adapter_on=False)
     runs["tuned"] = run_local(model, tokenizer, examples, "tuned", cfg, batch_size, adapter_on=True)
     runs = {s: runs[s] for s in ("base", "tuned", "baseline") if s in runs}
+    preference = preference_pass(cfg, model, tokenizer, holdout) if is_preference(cfg) else None
 
     names = mx.metric_names(task)
     primary = mx.primary_metric(task)
@@ -499,6 +517,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "reference_loss": {s: round(run.nll[i] / max(1, run.n_tokens[i]), 6)
                            for s, run in runs.items() if run.n_tokens},
     } for i, ex in enumerate(examples)]
+    if preference:  # the pairs' metrics next to the task's; each example's log-probabilities with it
+        metrics["preference"] = preference[0]
+        for rec, logps in zip(records, preference[1], strict=True):
+            rec["logps"] = logps
 
     out_dir = Path(cfg.paths.eval_dir)
     root = Path(cfg.paths.root)

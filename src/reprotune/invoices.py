@@ -115,6 +115,40 @@ def make_example(rng: random.Random) -> dict:
     ]}
 
 
+def _wrong_date(iso: str) -> str:
+    """The invoice date in a format the instruction rules out (not YYYY-MM-DD)."""
+    day = date.fromisoformat(iso)
+    return day.strftime("%d/%m/%Y") if day.day != day.month else day.strftime("%m-%d-%Y")
+
+
+# plausible extraction mistakes, each one field or two: what a half-trained model gets wrong
+MISTAKES = ("date_format", "swap_total_tax", "currency_symbol", "number_prefix", "total_as_text")
+
+
+def wrong_extraction(answer_json: str, rng: random.Random) -> str:
+    """A plausible wrong answer for the built-in task (the rejected side of a preference pair): the same JSON
+    with one mistake, chosen by `rng` (a wrong date format, total and tax swapped, a currency symbol instead of
+    its ISO code, the invoice number's prefix dropped, the total as a string); always differs from the answer."""
+    answer = json.loads(answer_json)
+    for mistake in rng.sample(MISTAKES, len(MISTAKES)):
+        wrong = dict(answer)
+        if mistake == "date_format":
+            wrong["date"] = _wrong_date(answer["date"])
+        elif mistake == "swap_total_tax" and answer["total"] != answer["tax"]:
+            wrong["total"], wrong["tax"] = answer["tax"], answer["total"]
+        elif mistake == "currency_symbol":
+            symbol = next((s for code, s, _ in CURRENCIES if code == answer["currency"]), None)
+            wrong["currency"] = symbol or answer["currency"].lower()
+        elif mistake == "number_prefix":
+            digits = "".join(ch for ch in answer["invoice_number"] if ch.isdigit())
+            wrong["invoice_number"] = digits
+        elif mistake == "total_as_text":
+            wrong["total"] = f"{answer['total']} {answer['currency']}"
+        if wrong != answer:
+            return json.dumps(wrong, ensure_ascii=False)
+    raise ValueError(f"no mistake changes {answer_json}")  # unreachable: the date format always changes
+
+
 def generate(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [make_example(rng) for _ in range(n)]

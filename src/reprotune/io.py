@@ -42,6 +42,9 @@ def read_examples(path: Path, missing_hint: str = "") -> list[dict[str, Any]]:
     at least one."""
     rows = []
     for lineno, row in iter_jsonl(path, missing_hint):
+        if isinstance(row, dict) and "messages" not in row and ("chosen" in row or "label" in row):
+            raise ReprotuneError(f"{path}:{lineno}: messages: holds preference data (prompt, chosen, rejected); "
+                                 "train it with objective=dpo, orpo or kto, or prepare SFT data")
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             raise ReprotuneError(f"{path}:{lineno}: messages: expected a list of messages")
         rows.append(row)

@@ -44,6 +44,8 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.formats import Record, read_dataset
 from reprotune.io import Spool, content_key, fresh_dir, key_fraction, replace_all
+from reprotune.preference import is_preference
+from reprotune.preference.pairs import prepare_pairs
 from reprotune.prepare_report import (
     AtLeast,
     distribution,
@@ -456,7 +458,11 @@ def prepare(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.prepared)
     work = fresh_dir(out, ".work")  # the spools and staged outputs; gone when prepare ends, however it ends
     try:
-        result = prepare_in(cfg, work)
+        if is_preference(cfg):  # objective=dpo|orpo|kto: preference pairs (reprotune.preference.pairs)
+            result = prepare_pairs(cfg, work)
+            write_manifest(cfg, out)
+        else:
+            result = prepare_in(cfg, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("prepared %d train and %d holdout examples in %s (%.1f s)", result["train"], result["holdout"], out,

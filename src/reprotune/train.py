@@ -1,4 +1,4 @@
-"""Train stage: TRL SFTTrainer + PEFT (LoRA, QLoRA, DoRA) on the prepared chat data.
+"""Train stage: TRL SFTTrainer (or DPO/ORPO/KTO: objective=) + PEFT (LoRA, QLoRA, DoRA) on the prepared data.
 
     python -m reprotune.train [hydra overrides]      # == make train ARGS="..."
 
@@ -11,7 +11,8 @@ Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs
 
 `train` is the recipe, read top to bottom: setup (device, data, tokenizer, the run's settings decided once by
 reprotune.sizing.decide, model, the objective's trainer) -> train -> save -> report. Checkpoint sealing and
-resume are reprotune.checkpoints; the objective (SFT) is `objective`.
+resume are reprotune.checkpoints; the objective is `objective` (SFT here; DPO, ORPO and KTO from
+reprotune.preference.trainers, on the preference pairs prepare wrote: docs/preference.md).
 """
 
 from __future__ import annotations
@@ -35,9 +36,22 @@ from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
+from reprotune.preference import is_preference
+from reprotune.preference.trainers import (
+    completion_tokens,
+    init_adapter_dir,
+    objective_record,
+    preference_config,
+    read_pairs,
+    reference,
+    sequence_tokens,
+    trl_classes,
+    with_init_adapter,
+)
 from reprotune.runtime import resolve_device, set_reproducibility
 from reprotune.sizing.decide import RunSettings, detect
 from reprotune.sizing.preflight import preflight, train_shape
+from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
 
 log = logging.getLogger("reprotune.train")
 
@@ -58,8 +72,9 @@ def read_messages(path: Path) -> list[dict[str, Any]]:
 def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
     """A validation split drawn from train (never the holdout), chosen by content hash so it is stable.
     (ASCII-escaped keys, unlike prepare's: changing them would move existing validation splits.)"""
-    def pick(row: dict) -> bool:
-        return key_fraction(content_key(row["messages"], ensure_ascii=True)) < fraction
+    def pick(row: dict) -> bool:  # a preference row by its prompt: no prompt on both sides
+        return key_fraction(content_key(row["messages"] if "messages" in row else row["prompt"],
+                                        ensure_ascii=True)) < fraction
 
     val = [r for r in rows if pick(r)]
     return [r for r in rows if not pick(r)], val
@@ -68,7 +83,6 @@ def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], lis
 # ------------------------------------------------------------------------------------------------ model
 # reprotune's own keys in the method and train groups; every other key is the library's and passes through whole
 METHOD_OWN = ("name", "quantization")
-TRAIN_OWN = ("run",)
 
 
 def lora_config(cfg: DictConfig):
@@ -85,43 +99,18 @@ def lora_config(cfg: DictConfig):
 # ---------------------------------------------------------------------------------------------- trainer
 def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """trl.SFTConfig from the train group as it is, plus the settings reprotune's guarantees rest on, which
-    win over the group: where checkpoints go and how they rotate, seeds, precision from hardware, the
-    validation split, nothing sent anywhere unless train.report_to asks, and the speed settings fitted by
-    reprotune.sizing.decide (micro-batch, accumulation, packing, checkpointing, precision, strategy)."""
+    win over the group (reprotune.trainer_args.guarantee_keys), and the SFT-only speed settings fitted by
+    reprotune.sizing.decide (packing)."""
     from trl import SFTConfig
 
     keys = library_keys(cfg.train, TRAIN_OWN)
-    eval_steps = keys.get("eval_steps") if keys.get("eval_steps") and has_val else None
-    report_to = keys.get("report_to")
     keys.update(
-        output_dir=cfg.paths.checkpoints,
-        per_device_train_batch_size=run.per_device_train_batch_size,
-        per_device_eval_batch_size=run.per_device_train_batch_size,
-        gradient_accumulation_steps=run.process_accumulation,
+        **guarantee_keys(cfg, run, keys, has_val),
         packing=run.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
-        use_liger_kernel=False,  # Liger is applied by apply_liger (TRL deprecates this switch)
         chat_template_path=cfg.model.training_chat_template,
-        logging_first_step=True,
-        save_strategy="steps",
-        save_total_limit=None,  # train.save_total_limit is applied after sealing (SealedCheckpointTrainer)
-        eval_strategy="steps" if eval_steps else "no",
-        eval_steps=eval_steps,
-        seed=int(cfg.seed),
-        data_seed=int(cfg.seed),
-        use_cpu=run.device == "cpu",
-        bf16=run.dtype == "bfloat16",
-        fp16=run.dtype == "float16",
-        activation_checkpointing=run.activation_checkpointing,
-        activation_checkpointing_kwargs=checkpointing_kwargs(keys, run),
-        report_to=[] if report_to in (None, "none") else report_to,
-        push_to_hub=False,
-        dataloader_num_workers=0,
-        dataset_num_proc=None,
         # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)
         include_num_input_tokens_seen="all" if run.packing else "non_padding",
-        disable_tqdm=False,
-        **distributed.trainer_arguments(cfg, run.strategy),
     )
     return SFTConfig(**keys)
 
@@ -139,17 +128,10 @@ def apply_liger(model, active: bool) -> None:
     apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
-def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, Any]:
-    """train.activation_checkpointing_kwargs with the fitted every_n_layers (some layers checkpointed, not all)."""
-    kwargs = dict(keys.get("activation_checkpointing_kwargs") or {})
-    if run.activation_checkpointing and run.checkpoint_every_n_layers > 1:
-        kwargs["every_n_layers"] = run.checkpoint_every_n_layers
-    return kwargs
-
-
 def mean_example_tokens(dataset, n_examples: int) -> float:
-    """Mean tokens per training example (packed rows hold several)."""
-    total = sum(len(ids) for ids in dataset["input_ids"])
+    """Mean tokens per training example (packed rows hold several; a preference pair is two sequences)."""
+    total = sum(len(ids) for ids in dataset["input_ids"]) if "input_ids" in dataset.column_names \
+        else sequence_tokens(dataset)
     return total / max(n_examples, 1)
 
 
@@ -231,8 +213,10 @@ def save_adapter_weights(model, folder: Path, state_dict: dict | None = None) ->
     """PEFT's save of the adapter; its size is known before the write, so a full disk says how much it needed."""
     from peft import get_peft_model_state_dict
 
+    # DPO/KTO from an init adapter hold TRL's frozen "ref" copy too: only the trained adapter is the output
+    only_trained = {"selected_adapters": ["default"]} if len(getattr(model, "peft_config", {})) > 1 else {}
     with needs_bytes(tensor_bytes(get_peft_model_state_dict(model, state_dict=state_dict).values())):
-        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}), **only_trained)
 
 
 def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None,
@@ -257,13 +241,17 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
 # ------------------------------------------------------------------------------------------------- steps
 @dataclass(frozen=True)
 class Objective:
-    """What a training objective brings to the recipe: its trainer class and its config. SFT today; a preference
-    objective (DPO, ORPO, KTO) plugs in by returning its TRL trainer and config builder from `objective`."""
+    """What a training objective brings to the recipe: its trainer class and its config (SFT, DPO, ORPO, KTO)."""
     trainer_class: type
     trainer_config: Callable[[DictConfig, RunSettings, bool], Any]  # (cfg, run, has_validation) -> TrainingArguments
 
 
 def objective(cfg: DictConfig) -> Objective:
+    """objective=sft: TRL's SFTTrainer; dpo, orpo, kto: TRL's preference trainers (reprotune.preference.trainers)."""
+    if is_preference(cfg):
+        trainer_class, _ = trl_classes(cfg.objective.name)
+        return Objective(trainer_class=checkpoints.sealing_trainer_class(trainer_class),
+                         trainer_config=preference_config)
     from trl import SFTTrainer
 
     return Objective(trainer_class=checkpoints.sealing_trainer_class(SFTTrainer), trainer_config=sft_config)
@@ -271,7 +259,8 @@ def objective(cfg: DictConfig) -> Objective:
 
 def load_rows(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
     """The training rows, and the validation split drawn from them when train.eval_steps asks for one."""
-    rows = read_messages(Path(cfg.paths.prepared) / "train.jsonl")
+    train_file = Path(cfg.paths.prepared) / "train.jsonl"
+    rows = read_pairs(train_file, cfg.objective.name) if is_preference(cfg) else read_messages(train_file)
     return split_validation(rows, float(cfg.train.run.val_fraction)) if cfg.train.eval_steps else (rows, [])
 
 
@@ -301,11 +290,19 @@ def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: lis
     from datasets import Dataset
 
     obj = objective(cfg)
+    # a model that already holds the starting adapter (objective.init_adapter) trains it; else a fresh one
+    from peft import PeftModel
+
+    peft_config = None if isinstance(model, PeftModel) else lora_config(cfg)
     trainer = obj.trainer_class(model=model, args=obj.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
-                                processing_class=tokenizer, peft_config=lora_config(cfg))
-    if assistant_tokens(trainer) == 0:  # TRL drops examples whose labels are all masked
+                                processing_class=tokenizer, peft_config=peft_config)
+    if is_preference(cfg):
+        if not len(trainer.train_dataset):  # TRL drops pairs whose prompt alone fills max_length
+            raise ReprotuneError(f"{Path(cfg.paths.prepared) / 'train.jsonl'}:1: prompt: every prompt fills "
+                                 "objective.max_length: nothing to train on")
+    elif assistant_tokens(trainer) == 0:  # TRL drops examples whose labels are all masked
         raise ReprotuneError(f"{cfg.model.training_chat_template}: generation: the loss mask is empty, no assistant "
                              "tokens to learn from (check the {% generation %} block of the training template)")
     trainer.keep_checkpoints = int(cfg.train.save_total_limit) if cfg.train.save_total_limit else None
@@ -315,6 +312,9 @@ def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: lis
 
 
 def assistant_tokens(trainer) -> int:
+    """Tokens the loss is computed on (a preference run: the chosen and rejected answers)."""
+    if "labels" not in trainer.train_dataset.column_names:
+        return completion_tokens(trainer.train_dataset)
     return sum(sum(1 for t in ex["labels"] if t != -100) for ex in trainer.train_dataset)
 
 
@@ -401,6 +401,7 @@ def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, res
                  **{name: mf.path_record(out_dir / f, root) for name, f in
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
         timing=timing, run_settings=run.as_record(),
+        **({"objective": objective_record(cfg, root)} if is_preference(cfg) else {}),
         distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
                      "strategy": run.strategy, "global_batch": run.global_batch})
 
@@ -427,6 +428,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
+    if is_preference(cfg):  # objective.init_adapter: the adapter to train further (and, copied, the reference)
+        model = with_init_adapter(model, init_adapter_dir(cfg))
+        log.info("objective %s, reference: %s", cfg.objective.name, reference(cfg))
     resume_from = checkpoints.prepare_resume(cfg, world)
     tokens_before = checkpoints.tokens_seen_before(resume_from)  # read now: rotation may remove that checkpoint
     log.info("%s; strategy %s", run.global_batch, run.strategy)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, quantization
+from reprotune.preference import is_preference
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import describe, fit_to_budget, fitting_setting
 from reprotune.sizing.memory import GIB, Settings, memory_budget, needed_bytes
@@ -124,6 +125,9 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     fast = cuda if _auto(h.get("fast_path", "auto")) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     packing = fast if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
+    if is_preference(cfg) and packing:  # TRL 1.16's DPOTrainer pads pairs (its padding_free is unavailable)
+        packing = False
+        reasons.append("packing off: preference pairs are padded (TRL 1.16)")
     attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention)
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.get("liger_kernel", "auto")
@@ -177,6 +181,10 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     except PlanError as err:  # an unknown architecture must not block training: say so and go on as configured
         reasons.append(f"plan: {err} (no memory fit)")
         shape = None
+    if is_preference(cfg):  # the memory model is calibrated on SFT rows only: no fit, no data shape from pairs
+        data, shape = None, None
+        reasons.append("plan: preference objective: memory not modelled (uncalibrated: a pair is two sequences "
+                       "plus a reference forward); runs as configured, checkpointing as hardware says")
     data = load_data_shape(cfg) if data == "prepared" else data
     planned = _memory_view(cfg, p) if shape else None
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)

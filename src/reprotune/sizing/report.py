@@ -14,6 +14,7 @@ import yaml
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
+from reprotune.preference import is_preference
 from reprotune.sizing.calibration import measured_run
 from reprotune.sizing.decide import Hardware, RunSettings, card, configured_settings, decide
 from reprotune.sizing.fit import checkpointing_words, describe, overrides_for
@@ -21,6 +22,7 @@ from reprotune.sizing.memory import GIB, Settings, memory, weight_bytes
 from reprotune.sizing.shape import (
     BUILTIN_TOKENIZER_VOCAB,
     DataShape,
+    PlanError,
     Shape,
     count_params,
     load_data_shape,
@@ -127,6 +129,10 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
               run: RunSettings | None = None) -> dict[str, Any]:
     """The whole plan as a JSON-able dict, for `hw` (make train's preflight: this GPU; make plan: the largest card,
     the H200). shape: as reprotune.sizing.decide.decide takes it; run: decide's answer when already known."""
+    if is_preference(cfg):  # the memory model is calibrated on SFT rows; refusing beats an unmeasured number
+        raise PlanError(f"objective={cfg.objective.name}: preference memory is not modelled yet (a pair is two "
+                        "sequences plus a reference forward; uncalibrated); the SFT plan of the same overrides "
+                        "is a lower bound")
     tables = load_tables()
     consts = tables["memory"]
     shape = shape or model_shape(cfg.model)

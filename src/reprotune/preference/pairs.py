@@ -1,0 +1,214 @@
+"""Preference data prepared: what `make prepare` does when the objective is dpo, orpo or kto.
+
+Reads   data.path in a preference format (reprotune.preference.formats), or, when data.path holds SFT
+        conversations and data.preference.rejected names a generator (the built-in task: `invoices`), pairs whose last answer becomes `chosen` and a plausible wrong
+        extraction (reprotune.invoices.wrong_extraction, seeded per example by data.preference.seed) `rejected`
+        (SFT's last answer becomes `chosen`).
+Writes  the same files as the SFT prepare (reprotune.prepare writes the manifest): train.jsonl and holdout.jsonl
+        with one canonical row per line ({prompt, chosen, rejected} or KTO's {prompt, completion, label}),
+        rejected.jsonl (records skipped with data.on_invalid=skip), report.json, pii_report.json, metrics.json
+        (numbers only), lengths.png.
+
+Steps: read and validate (every problem at once); drop exact duplicates; report ties (chosen == rejected) and drop
+or keep them (data.preference.ties); scrub PII in one pass over every pair's texts, so a value becomes the same
+fake in prompt, chosen and rejected (reprotune.pii keeps one mapping per dataset); measure each sequence
+(prompt + answer) with the model's chat template and drop pairs over data.max_length; split by a hash of the
+prompt, so no prompt is in both train and holdout (pairs derived from SFT conversations: by the conversation's
+hash, exactly as the SFT prepare splits it, so an SFT adapter never trained on a pair of the holdout). The whole dataset is in memory (no spool, unlike SFT's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune.errors import ReprotuneError
+from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
+from reprotune.preference.formats import FORMATS, PairRecord, read_preference_data
+
+log = logging.getLogger("reprotune.preference")
+ANSWERS = ("chosen", "rejected", "completion")
+
+
+def settings(cfg: DictConfig) -> dict[str, Any]:
+    node = cfg.data.get("preference")
+    return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def derived_pairs(cfg: DictConfig, rejected_by: str) -> list[PairRecord]:
+    """Pairs from SFT conversations: the last answer is chosen, the task's wrong extraction rejected."""
+    if rejected_by != "invoices":
+        raise ReprotuneError(f"{cfg.data.path}:0: data.preference.rejected: unknown generator {rejected_by!r} "
+                             "(invoices)")
+    from reprotune.invoices import wrong_extraction
+
+    seed = int(settings(cfg).get("seed", 0))
+    out = []
+    for line, rec in iter_jsonl(Path(cfg.data.path), "run 'make data' first"):
+        conv = rec["messages"]
+        rng = random.Random(f"{seed}:{content_key(conv)}")  # per example: appending data moves no old pair
+        wrong = {"role": "assistant", "content": wrong_extraction(conv[-1]["content"], rng)}
+        # split as the SFT prepare splits this conversation: an SFT adapter's holdout is the pairs' holdout
+        out.append(PairRecord(row={"prompt": conv[:-1], "chosen": conv[-1:], "rejected": [wrong]},
+                              format=f"sft+{rejected_by}", file=str(cfg.data.path), line=line,
+                              split_key=content_key(conv)))
+    return out
+
+
+def holds_conversations(path: Path) -> bool:
+    """The file's first record is an SFT conversation (messages, no KTO label): pairs are derived from it."""
+    if not path.is_file():
+        return False
+    first = next(iter_jsonl(path), (0, None))[1]
+    return isinstance(first, dict) and "messages" in first and "label" not in first
+
+
+def read_records(cfg: DictConfig) -> tuple[list[PairRecord], list[dict], list[str]]:
+    data, pref = cfg.data, settings(cfg)
+    if pref.get("rejected") and holds_conversations(Path(data.path)):
+        return derived_pairs(cfg, str(pref["rejected"])), [], [str(data.path)]
+    fmt = str(data.format)
+    if fmt not in ("auto", *FORMATS):
+        raise ReprotuneError(f"{data.path}:0: data.format: {fmt!r} is not a preference format (auto, "
+                             f"{', '.join(FORMATS)}); objective={cfg.objective.name} trains on preference data")
+    return read_preference_data(Path(data.path), fmt, dict(pref.get("keys") or {}), str(data.on_invalid))
+
+
+def is_tie(row: dict[str, Any]) -> bool:
+    return "chosen" in row and row["chosen"] == row["rejected"]
+
+
+# ------------------------------------------------------------------------------------------------ scrubbing
+def as_messages(value: Any) -> list[dict[str, str]]:
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+def scrub_pairs(cfg: DictConfig, records: list[PairRecord]) -> tuple[list[dict], dict[str, Any]]:
+    """Rows with PII replaced: prompt and answers of a pair are one conversation to the scrubber, and the whole
+    dataset one scrub, so a value gets the same fake wherever it appears."""
+    rows = [r.row for r in records]
+    if not cfg.data.scrub:
+        return rows, {"scrub": False}
+    from reprotune.formats import Record
+    from reprotune.pii import scrub_records
+
+    parts = [[k for k in ("prompt", *ANSWERS) if k in row] for row in rows]
+    flat = [Record(messages=[m for k in keys for m in as_messages(row[k])], file=r.file, line=r.line)
+            for r, row, keys in zip(records, rows, parts, strict=True)]
+    scrubbed, report = scrub_records(flat, cfg)
+    out = []
+    for row, keys, conv in zip(rows, parts, scrubbed, strict=True):
+        new, at = dict(row), 0
+        for k in keys:
+            n = 1 if isinstance(row[k], str) else len(row[k])
+            new[k] = conv[at]["content"] if isinstance(row[k], str) else conv[at:at + n]
+            at += n
+        out.append(new)
+    return out, report
+
+
+# ---------------------------------------------------------------------------------------------- lengths
+def sequence_lengths(tokenizer: Any, row: dict[str, Any]) -> int:
+    """The longest sequence of a pair (prompt + chosen, prompt + rejected) in tokens, as TRL renders it."""
+    lengths = []
+    for k in (k for k in ANSWERS if k in row):
+        if isinstance(row["prompt"], str):
+            lengths.append(len(tokenizer(row["prompt"] + row[k], add_special_tokens=False)["input_ids"]))
+        else:
+            ids = tokenizer.apply_chat_template(row["prompt"] + row[k], tokenize=True, return_dict=True)["input_ids"]
+            lengths.append(len(ids))
+    return max(lengths)
+
+
+def load_tokenizer(cfg: DictConfig) -> Any:
+    from reprotune.models import load_tokenizer as load
+    from reprotune.models import resolve_model_dir
+
+    return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
+
+
+# -------------------------------------------------------------------------------------------------- stage
+def in_holdout(record: PairRecord, fraction: float) -> bool:
+    """By the prompt alone: every pair of one prompt lands on the same side. Pairs derived from SFT conversations
+    (one pair per conversation) by the conversation's key, as reprotune.prepare splits it."""
+    return key_fraction(record.split_key or content_key(record.row["prompt"])) < fraction
+
+
+def row_line(row: dict[str, Any]) -> bytes:
+    return (json.dumps(row, ensure_ascii=False) + "\n").encode()
+
+
+def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
+    """The pairs read, cleaned, scrubbed, measured and split; every output but the manifest written at once."""
+    from reprotune.prepare_report import distribution, plot_lengths, rejected_bytes
+
+    data, out, pref = cfg.data, Path(cfg.paths.prepared), settings(cfg)
+    records, skipped, files = read_records(cfg)
+    seen, unique = set(), []
+    for r in records:
+        key = content_key(r.row)
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    ties_policy = str(pref.get("ties", "drop"))
+    if ties_policy not in ("drop", "keep"):
+        raise ReprotuneError(f"{data.path}:0: data.preference.ties: unknown policy {ties_policy!r} (drop or keep)")
+    ties = [r for r in unique if is_tie(r.row)]
+    kept = [r for r in unique if ties_policy == "keep" or not is_tie(r.row)]
+    if not kept:
+        raise ReprotuneError(f"{data.path}:0: data: no preference records left ({len(records)} read, "
+                             f"{len(ties)} ties dropped)")
+    rows, pii_report = scrub_pairs(cfg, kept)
+    tokenizer, max_length = load_tokenizer(cfg), int(data.max_length)
+    lengths = [sequence_lengths(tokenizer, row) for row in rows]
+    fits = [n <= max_length for n in lengths]
+    holdout = [in_holdout(r, float(data.holdout_fraction)) for r in kept]  # the prompt as read, before scrubbing
+    train_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and not h]
+    holdout_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and h]
+    if not train_rows:
+        raise ReprotuneError(f"{data.path}:0: data: no training pairs left after dedup, ties, split and length")
+    train_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and not h]
+    holdout_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and h]
+    report = {
+        "objective": str(cfg.objective.name),
+        "inputs": [{"file": f, "format": fmt, "records": n} for (f, fmt), n in
+                   sorted(Counter((r.file, r.format) for r in records).items())],
+        "holdout_fraction": float(data.holdout_fraction), "max_length": max_length,
+        "split_key": "conversation (as the SFT prepare)" if pref.get("rejected") and records and
+        records[0].split_key else "prompt",
+        "pairs": {"read": len(records) + len(skipped), "skipped_invalid": len(skipped),
+                  "duplicates_dropped": len(records) - len(unique),
+                  "ties": {"policy": ties_policy, "count": len(ties),
+                           "dropped": len(ties) if ties_policy == "drop" else 0,
+                           "where": [f"{r.file}:{r.line}" for r in ties[:20]]},
+                  "overlong": {"policy": "drop", "dropped": fits.count(False)},
+                  "train": len(train_rows), "holdout": len(holdout_rows),
+                  "paired": all("chosen" in row for row in rows)},
+        "tokens": {"model": str(cfg.model.name), "longest_sequence_of_pair": True,
+                   "train": distribution(train_len), "holdout": distribution(holdout_len)},
+        "scrub": bool(data.scrub),
+    }
+    metrics = {"pairs_train": len(train_rows), "pairs_holdout": len(holdout_rows), "ties": len(ties),
+               "duplicates_dropped": report["pairs"]["duplicates_dropped"], "overlong_dropped": fits.count(False),
+               "skipped_invalid": len(skipped), "tokens_train_mean": report["tokens"]["train"].get("mean", 0),
+               "pii_replacements": sum(v.get("replacements", 0) for v in pii_report.get("entities", {}).values())}
+    plot_tmp = work / "lengths.png"
+    plot_lengths(train_len, holdout_len, max_length, plot_tmp)
+    replace_all({
+        out / "train.jsonl": b"".join(row_line(r) for r in train_rows),
+        out / "holdout.jsonl": b"".join(row_line(r) for r in holdout_rows),
+        out / "rejected.jsonl": rejected_bytes(skipped),
+        out / "report.json": (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
+        out / "pii_report.json": (json.dumps(pii_report, indent=2, sort_keys=True) + "\n").encode(),
+        out / "metrics.json": (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode(),
+        out / "lengths.png": plot_tmp,
+    })
+    log.info("pairs: %s", {k: v for k, v in report["pairs"].items() if k != "ties"} | {"ties": len(ties)})
+    return {"train": len(train_rows), "holdout": len(holdout_rows), "report": report, "pii": pii_report}

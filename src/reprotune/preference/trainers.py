@@ -1,0 +1,162 @@
+"""The preference objectives' TRL trainers and configs, the adapter they start from and their reference model.
+
+    dpo   trl.DPOTrainer / trl.DPOConfig
+    kto   trl.KTOTrainer / trl.KTOConfig
+    orpo  trl.experimental.orpo.ORPOTrainer / ORPOConfig (TRL 1.16 moved ORPO to trl.experimental)
+
+Config: the train/ group's TrainingArguments keys (its SFT-only keys, the SFTConfig fields the objective's config
+lacks, are left out), then the objective/ group's own keys (DPOConfig's beta, loss_type, ...: they win), then
+reprotune.trainer_args.guarantee_keys (they win over both).
+
+Reference model (DPO, KTO): TRL builds none when the model is a PEFT model. With a fresh adapter (peft_config
+given, objective.init_adapter null) the reference is the base with the adapter disabled; with
+objective.init_adapter the adapter is loaded as the trainable "default" adapter and TRL adds a frozen copy named
+"ref", which is the reference (trl/trainer/dpo_trainer.py: `model.add_adapter("ref", ...)`, used through
+`use_adapter(model, "ref")`). Either way there is no second copy of the base in memory.
+
+Reads the prepared pairs (data/prepared/train.jsonl) and objective.init_adapter (when set); writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from reprotune.config import library_keys
+from reprotune.errors import ReprotuneError
+from reprotune.io import iter_jsonl
+from reprotune.preference import WITH_REFERENCE, objective_name
+from reprotune.sizing.decide import RunSettings
+from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
+
+OBJECTIVE_OWN = ("name", "init_adapter")  # reprotune's own keys in the objective group
+
+
+def trl_classes(name: str) -> tuple[type, type]:
+    """(trainer class, config class) of a preference objective, from the TRL that is installed."""
+    if name == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        return DPOTrainer, DPOConfig
+    if name == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        return KTOTrainer, KTOConfig
+    if name == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer, ORPOConfig
+    raise ReprotuneError(f"objective.name: unknown objective {name!r} (sft, dpo, orpo or kto)")
+
+
+def sft_only_keys(config_class: type) -> set[str]:
+    """SFTConfig's fields the objective's config does not have (packing, assistant_only_loss, ...)."""
+    from trl import SFTConfig
+
+    return {f.name for f in fields(SFTConfig)} - {f.name for f in fields(config_class)}
+
+
+def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
+    """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
+    _, config_class = trl_classes(objective_name(cfg))
+    skip = sft_only_keys(config_class)
+    keys = {k: v for k, v in library_keys(cfg.train, TRAIN_OWN).items() if k not in skip}
+    keys.update(library_keys(cfg.objective, OBJECTIVE_OWN))
+    keys.update(guarantee_keys(cfg, run, keys, has_val))
+    keys["include_num_input_tokens_seen"] = "non_padding"  # padded pairs: counted without the padding
+    return config_class(**keys)
+
+
+# ------------------------------------------------------------------------------------- the starting adapter
+def init_adapter_dir(cfg: DictConfig) -> Path | None:
+    """objective.init_adapter checked: an adapter directory of this base, not the one this run writes."""
+    value = cfg.objective.get("init_adapter")
+    if not value:
+        return None
+    path = Path(str(value))
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        raise ReprotuneError(f"{config}:0: objective.init_adapter: no adapter here (a directory written by "
+                             "'make train', e.g. a copy of outputs/adapter)")
+    if path.resolve() == Path(cfg.paths.adapter).resolve():
+        raise ReprotuneError(f"{path}:0: objective.init_adapter: is paths.adapter, which this run replaces (a rerun "
+                             f"would start from its own output); copy it first: cp -r {path} {path.parent}/sft_adapter")
+    from reprotune.models import base_identity
+
+    recorded = json.loads(config.read_text()).get("base_model_name_or_path")
+    expected = base_identity(cfg.model)[0]
+    if recorded != expected:
+        raise ReprotuneError(f"{config}:0: base_model_name_or_path: the adapter was trained on {recorded!r}, "
+                             f"this run's base is {expected!r} (model={cfg.model.name})")
+    return path
+
+
+def with_init_adapter(model: Any, path: Path | None) -> Any:
+    """The base model with the starting adapter loaded trainable (PEFT), or the base as it is."""
+    if path is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+
+
+def reference(cfg: DictConfig) -> str:
+    """What the implicit reward is measured against, in words for the manifest and the log."""
+    name = objective_name(cfg)
+    if name not in WITH_REFERENCE:
+        return "none (ORPO has no reference model)"
+    if cfg.objective.get("init_adapter"):
+        return "init_adapter (a frozen copy of it, TRL's 'ref' adapter)"
+    return "base (the adapter disabled)"
+
+
+def objective_record(cfg: DictConfig, root: Path) -> dict[str, Any]:
+    """The manifest's objective: name, reference, beta, loss, the starting adapter by sha256."""
+    from reprotune import manifest as mf
+
+    init = init_adapter_dir(cfg)
+    loss = cfg.objective.get("loss_type")
+    return {"name": objective_name(cfg), "reference": reference(cfg), "beta": cfg.objective.get("beta"),
+            "loss_type": OmegaConf.to_container(loss) if OmegaConf.is_config(loss) else loss,
+            "init_adapter": mf.path_record(init, root) if init else None}
+
+
+# ------------------------------------------------------------------------------------------- token counts
+def completion_tokens(dataset: Any) -> int:
+    """Tokens the loss is computed on (chosen + rejected, or the KTO completion) in a tokenized dataset."""
+    columns = [c for c in ("chosen_ids", "rejected_ids", "completion_ids", "chosen_labels", "rejected_labels")
+               if c in dataset.column_names]
+    return sum(sum(1 for t in ids if t != -100) for c in columns for ids in dataset[c])
+
+
+def sequence_tokens(dataset: Any) -> int:
+    """Tokens run through the policy: each pair is two sequences (prompt + chosen, prompt + rejected)."""
+    names = dataset.column_names
+    if "prompt_ids" in names and "chosen_ids" in names:
+        return sum(2 * len(p) + len(c) + len(r) for p, c, r in
+                   zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"], strict=True))
+    if "prompt_ids" in names and "completion_ids" in names:
+        return sum(len(p) + len(c) for p, c in zip(dataset["prompt_ids"], dataset["completion_ids"], strict=True))
+    return sum(len(ids) for c in ("chosen_input_ids", "rejected_input_ids") if c in names for ids in dataset[c])
+
+
+# ------------------------------------------------------------------------------------------------- the rows
+def read_pairs(path: Path, objective: str) -> list[dict[str, Any]]:
+    """The prepared rows a preference trainer reads; one line when the file holds the wrong kind."""
+    rows = []
+    for line, row in iter_jsonl(path, f"run 'make prepare ARGS=\"objective={objective}\"' first"):
+        if not isinstance(row, dict) or "prompt" not in row:
+            kind = "SFT conversations" if isinstance(row, dict) and "messages" in row else "no preference row"
+            raise ReprotuneError(f"{path}:{line}: prompt: holds {kind}; prepare preference data with "
+                                 f"'make prepare ARGS=\"objective={objective} data.path=...\"'")
+        if objective != "kto" and "chosen" not in row:
+            raise ReprotuneError(f"{path}:{line}: chosen: unpaired (KTO) data; objective={objective} needs pairs "
+                                 "(prompt, chosen, rejected); use objective=kto")
+        rows.append(row)
+    if not rows:
+        raise ReprotuneError(f"{path}:1: file: holds no pairs")
+    return rows

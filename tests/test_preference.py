@@ -1,0 +1,289 @@
+"""Preference tuning (issue #26): the formats read into TRL's rows, prepare's pairs (ties, prompt-keyed split, PII
+replaced alike in prompt and answers), and TRL's DPO/ORPO/KTO trainers really run on the tiny model: byte-identical
+reruns, the reference model recorded, starting from an SFT adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from reprotune.config import compose
+from reprotune.errors import ReprotuneError
+from reprotune.preference.formats import read_preference_data
+from reprotune.sizing.decide import Hardware, card, decide
+
+from .conftest import tiny_adapter_run
+
+FIX = Path(__file__).parent / "data" / "preference"
+
+
+def u(c: str) -> dict:
+    return {"role": "user", "content": c}
+
+
+def a(c: str) -> dict:
+    return {"role": "assistant", "content": c}
+
+
+# --------------------------------------------------------------------------------------------------- formats
+@pytest.mark.parametrize(("name", "fmt", "index", "row"), [
+    ("trl_conversational.jsonl", "trl", 0,
+     {"prompt": [{"role": "system", "content": "Answer briefly."}, u("What is 2+2?")], "chosen": [a("4")],
+      "rejected": [a("5")]}),
+    ("trl_implicit.jsonl", "trl", 0, {"prompt": [u("Say hi.")], "chosen": [a("Hi!")], "rejected": [a("Go away.")]}),
+    ("trl_standard.jsonl", "trl", 0, {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}),
+    ("openai.jsonl", "openai", 1,
+     {"prompt": [{"role": "system", "content": "Be terse."}, u("Largest planet?")], "chosen": [a("Jupiter.")],
+      "rejected": [a("Saturn, I think, but let me explain at length...")]}),
+    ("sharegpt_pairwise.json", "sharegpt_pairwise", 1,
+     {"prompt": [{"role": "system", "content": "You are a math tutor."}, u("3*3?")], "chosen": [a("9")],
+      "rejected": [a("6")]}),
+    ("kto.jsonl", "kto", 1, {"prompt": [u("2+2?")], "completion": [a("5")], "label": False}),
+    ("hh.jsonl", "hh", 1,
+     {"prompt": [u("Hi"), a("Hello! How can I help?"), u("Name a prime.")], "chosen": [a("7.")],
+      "rejected": [a("9.")]}),
+])
+def test_each_format_is_detected_and_read_to_trl_rows(name: str, fmt: str, index: int, row: dict) -> None:
+    records, skipped, _ = read_preference_data(FIX / name, "auto", {}, "error")
+    assert {r.format for r in records} == {fmt}
+    assert records[index].row == row
+    assert not skipped
+
+
+def test_key_mapping_reads_other_names() -> None:
+    mapping = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+    records, _, _ = read_preference_data(FIX / "mapped.jsonl", "auto", mapping, "error")
+    assert records[0].row == {"prompt": "Which is heavier, 1 kg of iron or 1 kg of feathers?",
+                              "chosen": "They weigh the same.", "rejected": "Iron."}
+    with pytest.raises(ReprotuneError, match=r"mapped.jsonl:1: record: no preference format"):
+        read_preference_data(FIX / "mapped.jsonl", "auto", {}, "error")
+
+
+def test_bad_records_are_file_line_field_errors_all_at_once() -> None:
+    with pytest.raises(ReprotuneError) as err:
+        read_preference_data(FIX / "bad.jsonl", "auto", {}, "error")
+    lines = str(err.value).splitlines()
+    assert any("bad.jsonl:2: chosen[0].role: unknown role 'robot'" in line for line in lines)
+    assert any('bad.jsonl:3: label: expected true or false, got "yes"' in line for line in lines)
+    assert any("bad.jsonl:4: record: no preference format has these keys (foo)" in line for line in lines)
+    assert any("bad.jsonl:5: non_preferred_output: expected a non-empty list of messages" in line for line in lines)
+    assert not any("bad.jsonl:1:" in line for line in lines)
+
+
+# --------------------------------------------------------------------------------------------------- prepare
+def prepared(root: Path, data: Path, *overrides: str) -> tuple[list[dict], list[dict], dict]:
+    from reprotune.prepare import prepare
+
+    prepare(compose([f"paths.root={root}", "model=tiny_random", "objective=dpo", f"data.path={data}",
+                     "data.scrub=false", *overrides]))
+    out = root / "data" / "prepared"
+    read = lambda f: [json.loads(x) for x in (out / f).read_text().splitlines()]  # noqa: E731
+    return read("train.jsonl"), read("holdout.jsonl"), json.loads((out / "report.json").read_text())
+
+
+def test_prepare_reports_ties_and_duplicates_and_splits_by_prompt(tmp_path: Path) -> None:
+    train, holdout, report = prepared(tmp_path, FIX / "trl_conversational.jsonl", "data.holdout_fraction=0.5")
+    pairs = report["pairs"]
+    assert pairs["duplicates_dropped"] == 1 and pairs["ties"]["count"] == 1 and pairs["ties"]["dropped"] == 1
+    assert pairs["ties"]["where"] == [f"{FIX / 'trl_conversational.jsonl'}:4"]
+    assert len(train) + len(holdout) == 4 and report["split_key"] == "prompt"
+    prompts = lambda rows: {json.dumps(r["prompt"]) for r in rows}  # noqa: E731
+    assert not prompts(train) & prompts(holdout)
+    france = [r for r in train + holdout if r["prompt"] == [u("Capital of France?")]]
+    assert len(france) == 2  # two pairs of one prompt, on one side
+    _, _, kept = prepared(tmp_path, FIX / "trl_conversational.jsonl", "data.holdout_fraction=0.5",
+                          "data.preference.ties=keep")
+    assert kept["pairs"]["ties"] == {**pairs["ties"], "policy": "keep", "dropped": 0}
+    assert kept["pairs"]["train"] + kept["pairs"]["holdout"] == 5
+
+
+def test_pii_is_replaced_alike_in_prompt_chosen_and_rejected(tmp_path: Path) -> None:
+    train, holdout, _ = prepared(tmp_path, FIX / "pii.jsonl", "data.scrub=true", "data.pii.names=false",
+                                 "data.holdout_fraction=0")
+    row = (train + holdout)[0]
+    texts = [row["prompt"][0]["content"], row["chosen"][0]["content"], row["rejected"][0]["content"]]
+    assert not any("jane.roe@acme-mail.de" in t for t in texts)
+    fake = texts[0].split("Email ")[1].split(" the invoice")[0]
+    assert "@" in fake and fake in texts[1] and fake in texts[2]
+
+
+def test_builtin_invoices_get_wrong_extractions_deterministically(workspace: tuple[Path, list[str]]) -> None:
+    from reprotune.invoices import FIELDS, generate, write_jsonl
+    from reprotune.prepare import in_holdout
+
+    root, over = workspace
+    raw = root / "raw.jsonl"
+    write_jsonl(generate(12, 1234), raw)
+    first, hold, report = prepared(root, raw, "data.preference.rejected=invoices", "data.holdout_fraction=0.3")
+    again, hold_again, _ = prepared(root, raw, "data.preference.rejected=invoices", "data.holdout_fraction=0.3")
+    assert (first, hold) == (again, hold_again) and len(first) + len(hold) == 12
+    assert report["inputs"][0]["format"] == "sft+invoices" and report["split_key"].startswith("conversation")
+    sft_holdout = [ex for ex in generate(12, 1234) if in_holdout(ex, 0.3)]  # the SFT prepare's split
+    assert [r["prompt"] + r["chosen"] for r in hold] == [ex["messages"] for ex in sft_holdout] and hold
+    for row in first + hold:
+        chosen, rejected = (json.loads(row[k][0]["content"]) for k in ("chosen", "rejected"))
+        assert chosen != rejected and list(rejected) == list(FIELDS)
+        assert sum(chosen[f] != rejected[f] for f in FIELDS) in (1, 2)  # one mistake (a swap moves two fields)
+
+
+def test_sft_format_name_with_a_preference_objective_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ReprotuneError, match=r"data.format: 'chat' is not a preference format"):
+        prepared(tmp_path, FIX / "openai.jsonl", "data.format=chat")
+
+
+# ----------------------------------------------------------------------------------------------------- train
+PAIRS_TRAIN = ["model=tiny_random", "train.max_steps=2", "train.save_steps=100", "train.logging_steps=1",
+               "train.per_device_train_batch_size=2", "train.learning_rate=1e-2"]
+
+
+def pair_workspace(root: Path, fixture: str = "trl_conversational.jsonl") -> None:
+    """data/prepared/train.jsonl as prepare writes it for objective=dpo (the fixture read as it is, ties dropped)."""
+    records, _, _ = read_preference_data(FIX / fixture, "auto", {}, "error")
+    (root / "data" / "prepared").mkdir(parents=True, exist_ok=True)
+    rows = [r.row for r in records if r.row.get("chosen") != r.row.get("rejected") or "label" in r.row]
+    (root / "data/prepared/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def run_train(root: Path, *overrides: str) -> dict:
+    from reprotune.train import train
+
+    return train(compose([*PAIRS_TRAIN, f"paths.root={root}", *overrides]))
+
+
+def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_path: Path) -> None:
+    records = []
+    for name in ("one", "two"):
+        pair_workspace(tmp_path / name)
+        records.append(run_train(tmp_path / name, "objective=dpo"))
+    one, two = records
+    assert one["outputs"]["adapter"]["sha256"] == two["outputs"]["adapter"]["sha256"]
+    assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.1,
+                                "loss_type": ["sigmoid"], "init_adapter": None}
+    assert one["inputs"]["train_data"]["sha256"]
+    metrics = json.loads((tmp_path / "one/outputs/train/metrics.json").read_text())
+    assert metrics["global_step"] == 2 and metrics["assistant_tokens"] > 0
+    adapter = tmp_path / "one/outputs/adapter"
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "ref").exists()
+
+
+def test_dpo_starts_from_an_sft_adapter_which_is_the_reference(tmp_path: Path,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    from safetensors.torch import load_file
+
+    sft = tmp_path / "sft_adapter"
+    shutil.copytree(tiny_adapter_run(tmp_path_factory) / "outputs" / "adapter", sft)
+    pair_workspace(tmp_path)
+    record = run_train(tmp_path, "objective=dpo", f"objective.init_adapter={sft}")
+    assert record["objective"]["reference"] == "init_adapter (a frozen copy of it, TRL's 'ref' adapter)"
+    assert record["objective"]["init_adapter"]["sha256"]
+    out = tmp_path / "outputs" / "adapter"
+    assert not (out / "ref").exists()  # TRL's frozen copy is not an output
+    before, after = load_file(sft / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not before[k].equal(after[k]) for k in before)  # trained further from the SFT weights
+    with pytest.raises(ReprotuneError, match="objective.init_adapter: is paths.adapter"):
+        run_train(tmp_path, "objective=dpo", f"objective.init_adapter={out}")
+
+
+@pytest.mark.parametrize(("objective", "fixture", "method"), [("orpo", "trl_conversational.jsonl", "lora"),
+                                                               ("kto", "kto.jsonl", "lora"),
+                                                               ("dpo", "trl_standard.jsonl", "dora")])
+def test_orpo_kto_and_dpo_on_dora_train_with_trl(tmp_path: Path, objective: str, fixture: str, method: str) -> None:
+    pair_workspace(tmp_path, fixture)
+    record = run_train(tmp_path, f"objective={objective}", f"method={method}")
+    assert record["run_settings"]["method"] == method
+    assert record["objective"]["name"] == objective
+    assert record["objective"]["reference"].startswith("none" if objective == "orpo" else "base")
+    if method == "dora":
+        assert json.loads((tmp_path / "outputs/adapter/adapter_config.json").read_text())["use_dora"] is True
+    metrics = json.loads((tmp_path / "outputs/train/metrics.json").read_text())
+    assert metrics["global_step"] == 2 and metrics["final_train_loss"] == metrics["final_train_loss"]  # not NaN
+
+
+def test_wrong_data_for_the_objective_is_one_line(tmp_path: Path, workspace: tuple[Path, list[str]]) -> None:
+    root, _ = workspace  # SFT conversations in data/prepared
+    with pytest.raises(ReprotuneError, match=r"train.jsonl:1: prompt: holds SFT conversations"):
+        run_train(root, "objective=dpo")
+    pair_workspace(tmp_path, "kto.jsonl")
+    with pytest.raises(ReprotuneError, match=r"train.jsonl:1: chosen: unpaired \(KTO\) data; objective=dpo"):
+        run_train(tmp_path, "objective=dpo")
+    pair_workspace(tmp_path)
+    with pytest.raises(ReprotuneError, match=r"train.jsonl:1: messages: holds preference data"):
+        run_train(tmp_path)  # objective=sft on pairs
+
+
+def test_decide_runs_as_configured_for_a_preference_objective(tmp_path: Path) -> None:
+    cfg = compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"])
+    run = decide(cfg, card("H200"), None, None)
+    assert run.planned is None and run.packing is False and run.fits
+    assert any("preference objective: memory not modelled (uncalibrated" in r for r in run.reasons)
+    assert decide(cfg, Hardware("cpu"), None, None).per_device_train_batch_size == 4
+
+
+@pytest.mark.slow  # three training processes, one killed mid-run
+def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -> None:
+    """The SFT resume machinery (reprotune.checkpoints: sealed checkpoints, the run's fingerprint) under DPO."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .test_resume import stage_env, wait_for_sealed
+
+    run = [*PAIRS_TRAIN, "objective=dpo", "train.max_steps=4", "train.save_steps=2"]
+    cmd = lambda root: [sys.executable, "-m", "reprotune.train", *run, f"paths.root={root}"]  # noqa: E731
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for root in (straight, killed):
+        pair_workspace(root)
+    subprocess.run(cmd(straight), env=stage_env(), check=True, capture_output=True, timeout=600)
+    proc = subprocess.Popen(cmd(killed), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_sealed(killed / "outputs/checkpoints", 2, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "outputs/adapter").exists()
+    rerun = subprocess.run(cmd(killed), env=stage_env(2), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed, whole = (json.loads((r / "outputs/train/manifest.json").read_text()) for r in (killed, straight))
+    assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == "checkpoint-2"
+    assert resumed["outputs"]["adapter"]["sha256"] == whole["outputs"]["adapter"]["sha256"]
+    assert (killed / "outputs/train/metrics.json").read_bytes() == (straight / "outputs/train/metrics.json").read_bytes()
+
+
+@pytest.mark.slow  # prepare + a DPO run on the built-in pairs + eval of three systems
+def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from reprotune.evaluate import evaluate
+    from reprotune.invoices import generate, write_jsonl
+    from reprotune.prepare import prepare
+
+    sft = tmp_path / "sft_adapter"
+    shutil.copytree(tiny_adapter_run(tmp_path_factory) / "outputs" / "adapter", sft)
+    write_jsonl(generate(16, 1234), tmp_path / "raw.jsonl")
+    over = [f"paths.root={tmp_path}", "model=tiny_random", "objective=dpo", f"objective.init_adapter={sft}",
+            f"data.path={tmp_path / 'raw.jsonl'}", "data.scrub=false", "data.holdout_fraction=0.3"]
+    prepare(compose(over))
+    run_train(tmp_path, *over[2:])
+    result = evaluate(compose([*over, "eval.max_examples=3", "eval.max_new_tokens=8"]))
+    pref = result["metrics"]["preference"]
+    assert pref["pairs"] == 3 and pref["beta"] == 0.1
+    assert "reward_accuracy" not in pref["base"] and {"reward_accuracy", "reward_margin"} <= pref["sft"].keys()
+    assert pref["tuned"]["reward_margin"] != pref["sft"]["reward_margin"]  # DPO moved the adapter
+    assert pref["sft"]["logp_chosen"] != pref["base"]["logp_chosen"]  # the SFT adapter really is loaded
+    out = tmp_path / "outputs" / "eval"
+    assert json.loads((out / "metrics.json").read_text())["preference"] == pref
+    assert "Holdout pairs (objective dpo)" in (out / "report.md").read_text()
+    first = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
+    assert set(first["logps"]) == {"index", "base", "sft", "tuned"}
+    assert result["metrics"]["tuned"]["field_accuracy"] >= 0  # the task's metrics next to the pairs'
+
+
+def test_make_plan_refuses_a_preference_run_in_one_line(tmp_path: Path) -> None:
+    from reprotune.sizing.report import make_plan
+    from reprotune.sizing.shape import PlanError
+
+    with pytest.raises(PlanError, match=r"objective=dpo: preference memory is not modelled yet"):
+        make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"]))
