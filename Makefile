@@ -16,8 +16,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
-# make test / test-all run on every core (at most 4 workers); tests/conftest.py keeps each module on one worker and
-# builds the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
+# make test / test-all run on every core (at most 4 workers); tests/conftest.py keeps each module on one worker (its
+# own loadgroup scheduler: xdist's stopped grouping under pytest 9.2), hands out the longest modules first and builds
+# the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
 PYTEST_XDIST ?= -n auto --maxprocesses=4 --dist loadgroup
 export REPROTUNE_LOCK_VARIANT := $(VARIANT)
 # Runs are offline unless a model preset needs the hub; tokenizers' thread pool is off for determinism.
@@ -37,6 +38,7 @@ export NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 .PHONY: help
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@if [ -x $(PY) ]; then echo; $(PY) -m reprotune.pipeline --stages; fi  # the stage registry, as dvc.yaml has it
 
 .PHONY: venv
 venv: ## Build or reuse .venv from lockfiles/<VARIANT>.txt (hash-checked; VARIANT=cpu or cuda)

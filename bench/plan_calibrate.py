@@ -141,17 +141,17 @@ def run_one(entry: dict[str, Any], extra: list[str], root: Path, prepared: dict[
 
 def data_shape(prepared: Path) -> dict[str, Any]:
     """What the plan reads from the prepared data, copied so the committed table stands alone."""
-    from reprotune import plan
+    from reprotune.sizing import shape as sz_shape
 
-    return plan.data_shape_from_prepared(prepared)
+    return sz_shape.data_shape_from_prepared(prepared)
 
 
 def predicted(overrides: list[str], root: Path) -> dict[str, Any] | None:
-    from reprotune import plan
     from reprotune.config import compose
+    from reprotune.sizing import report as sz_report
 
     cfg = compose([f"paths.root={root}", *overrides])
-    memory = plan.make_plan(cfg, device="cuda")["memory"]
+    memory = sz_report.make_plan(cfg, device="cuda")["memory"]
     return {"peak_gib": memory["peak_gib"], "parts_gib": memory["parts_gib"]}
 
 
@@ -170,9 +170,9 @@ def fold(new: Path, table: Path = TABLE) -> None:
 def write_table(entries: list[dict[str, Any]], table: Path = TABLE) -> None:
     """Record each entry's current predictions and errors (tests/test_plan.py fails if a change makes them worse)
     and the plan's settings for it (what make plan matches a measured run by)."""
-    from reprotune import plan
+    from reprotune.sizing import calibration as sz_calibration
 
-    errors = {r["name"]: r for r in plan.calibration_errors(entries)}
+    errors = {r["name"]: r for r in sz_calibration.calibration_errors(entries)}
     for e in entries:
         if e["name"] in errors:
             r = errors[e["name"]]
@@ -186,9 +186,9 @@ def write_table(entries: list[dict[str, Any]], table: Path = TABLE) -> None:
 
 
 def print_table(table: Path = TABLE) -> None:
-    from reprotune import plan
+    from reprotune.sizing import calibration as sz_calibration
 
-    rows = plan.calibration_errors(json.loads(table.read_text()))
+    rows = sz_calibration.calibration_errors(json.loads(table.read_text()))
     print("| configuration | predicted GiB | measured GiB | error | reserved GiB (pred / meas) "
           "| tok/s (pred / meas) | tok/s error |")
     print("|---|---|---|---|---|---|---|")
@@ -211,28 +211,30 @@ def print_table(table: Path = TABLE) -> None:
 def print_fit(table: Path = TABLE) -> None:
     """The fitted constants (paste into conf/plan/throughput.yaml) and each row's error, in-sample and with the
     row held out of the fit (where the rest still determine every constant it uses)."""
-    from reprotune import plan
+    from reprotune.sizing import calibration as sz_calibration
+    from reprotune.sizing import shape as sz_shape
+    from reprotune.sizing import throughput as sz_throughput
 
-    throughput = plan.load_table("throughput.yaml")
-    rows = [r for r in plan.calibration_errors(json.loads(table.read_text()))
+    throughput = sz_shape.load_table("throughput.yaml")
+    rows = [r for r in sz_calibration.calibration_errors(json.loads(table.read_text()))
             if r["measured_tokens_per_second"]]
-    used = plan.throughput_fit_rows(rows)
-    constants = plan.fit_throughput(used)
+    used = sz_calibration.throughput_fit_rows(rows)
+    constants = sz_calibration.fit_throughput(used)
     print("fitted (conf/plan/throughput.yaml, model:):")
     for key, value in constants.items():
         print(f"  {key}: {value}")
-    fitted = plan.with_constants(throughput, constants)
+    fitted = sz_calibration.with_constants(throughput, constants)
     for r in rows:
         cfg_tp = {"throughput": fitted}
         w = r["work"]
-        t = plan.model_seconds_per_token(w, cfg_tp["throughput"])
+        t = sz_throughput.model_seconds_per_token(w, cfg_tp["throughput"])
         pred = 1 / (t["gemm"] + t["overhead"])
         rest = [o for o in used if o["name"] != r["name"]]
-        needed = {k for k, n in plan.overhead_terms(w).items() if n}
+        needed = {k for k, n in sz_throughput.overhead_terms(w).items() if n}
         held = ""
-        if needed <= {k for o in rest for k, n in plan.overhead_terms(o["work"]).items() if n} and len(rest) > len(
+        if needed <= {k for o in rest for k, n in sz_throughput.overhead_terms(o["work"]).items() if n} and len(rest) > len(
                 needed):
-            t_out = plan.model_seconds_per_token(w, plan.with_constants(throughput, plan.fit_throughput(rest)))
+            t_out = sz_throughput.model_seconds_per_token(w, sz_calibration.with_constants(throughput, sz_calibration.fit_throughput(rest)))
             held = f", held out {1 / (t_out['gemm'] + t_out['overhead']) / r['measured_tokens_per_second'] - 1:+.1%}"
         mark = " (not fitted)" if r not in used else ""
         print(f"  {r['name']:36s} predicted {pred:8,.0f} measured {r['measured_tokens_per_second']:8,} "

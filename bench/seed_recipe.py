@@ -161,14 +161,17 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) 
             "mfu": t["mfu"], "final_loss": metrics["final_train_loss"], "peak_gib": t["peak_gpu_memory_gib"],
             "reserved_gib": t["peak_gpu_reserved_gib"], "steps": metrics["global_step"],
             "tokens_seen": metrics["tokens_seen"], "step_seconds": t["step_seconds"],
-            "fast_path": manifest["fast_path"], "adapter_sha256": manifest["outputs"]["adapter"]["sha256"],
+            "fast_path": manifest.get("run_settings") or manifest["fast_path"],
+            "adapter_sha256": manifest["outputs"]["adapter"]["sha256"],
             "planned_peak_gib": planned_peak(root)}
 
 
 def planned_peak(root: Path) -> float | None:
-    """make train's preflight prediction (outputs/plan.json), to set next to the measured peak."""
-    path = root / "outputs/plan.json"
-    return json.loads(path.read_text())["memory"]["peak_gib"] if path.exists() else None
+    """make train's preflight prediction (outputs/train/plan.json; outputs/plan.json before issue #24), to set
+    next to the measured peak."""
+    path = root / "outputs/train/plan.json"
+    path = path if path.is_file() else root / "outputs/plan.json"
+    return (json.loads(path.read_text())["memory"] or {}).get("peak_gib") if path.exists() else None
 
 
 def main() -> None:

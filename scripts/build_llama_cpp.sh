@@ -11,6 +11,7 @@
 # Results are cached under $LLAMA_CPP_CACHE/<version>-<key>, key = sdist sha256 + build flags + Python minor
 # version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
 # recorded in <dir>/toolchain.
+# LLAMA_CPP_COMPILE_ONLY=1 fills the cache and installs nothing (see below).
 # LLAMA_CPP_SEED=<dir> (docker build): a cache directory made elsewhere is reused instead of compiling when its key
 # and its recorded compiler are the same as here (same sdist, flags, Python, glibc, compiler; README says which
 # libraries come out byte-identical: bench/llama_cpp_build_identity.sh).
@@ -153,6 +154,9 @@ if [ ! -f "$dir/done" ]; then
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
 fi
 
+# LLAMA_CPP_COMPILE_ONLY=1: stop at the cache. .ci/run compiles while the project's venv is still being built (VENV
+# is then a bare venv of the same interpreter, so the key above is the same) and installs later with make llama-cpp.
+if [ "${LLAMA_CPP_COMPILE_ONLY:-0}" = 1 ]; then echo "$src/vendor/llama.cpp"; exit 0; fi
 # Install into the venv when it lacks this exact build (a rebuilt .venv only costs a reinstall).
 wheel=$(ls "$dir"/wheel/llama_cpp_python-*.whl)
 stamp="$VENV/.llama-cpp-$version-$key-$(sha256sum "$LOCK" | cut -c1-12)"

@@ -2,10 +2,10 @@
 training run of the built-in SmolLM2 that the slow tests on the real model share.
 
 The suite runs on every core (make test / make test-all: pytest-xdist, --dist loadgroup). Two rules keep that safe:
-a module's tests stay on one worker (each gets xdist_group=<module> unless it names a group), so module-scoped
-fixtures (an sshd, a Docker image, a DVC repository) are built once and never raced; and a run shared across
-modules (built_once) is built by the first worker that needs it, under a file lock, in the session's common
-temporary folder, and read by the others."""
+a module's tests stay on one worker (pytest_xdist_make_scheduler below), so module-scoped fixtures (an sshd, a
+Docker image, a DVC repository) are built once and never raced; and a run shared across modules (built_once) is
+built by the first worker that needs it, under a file lock, in the session's common temporary folder, and read by
+the others. The longest modules are handed out first (LONGEST_FIRST)."""
 
 from __future__ import annotations
 
@@ -49,11 +49,49 @@ def small_invoices(root: Path) -> None:
     write_jsonl(root / "data/raw/invoices.jsonl", rows)
 
 
+# The modules that take longest on 2 cores, longest first (ranked from the --durations of full and fast-lane runs
+# on the 2-core CI machine); the others follow in collection order. With --dist loadgroup each module is one unit
+# of work (ModuleScheduling below), handed to whichever worker is free: started first, a long module runs beside
+# the many short ones instead of being handed to one worker at the end while the other idles.
+LONGEST_FIRST = ("test_docker", "test_distributed", "test_packing", "test_dvc", "test_make_pipeline", "test_failures",
+                 "test_families_export", "test_repro_golden", "test_eval", "test_resume", "test_repro",
+                 "test_export_smollm2", "test_export_gguf", "test_e2e_smollm2", "test_train")
+
+
+def module_of(nodeid: str) -> str:
+    """tests/test_x.py::test_y[p] (and any '@group' suffix after it) -> test_x."""
+    return Path(nodeid.split("::", 1)[0]).stem
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under --dist loadgroup, keep each module on one worker (its module-scoped fixtures run once)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+    """Longest modules first (LONGEST_FIRST); a stable sort, so each module's tests keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(module_of(item.nodeid), len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent under -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """--dist loadgroup, one module per unit of work, in collection order (longest first, above).
+
+    xdist's own loadgroup reads the group from an "@group" suffix its workers append to each nodeid, and with
+    pytest 9.2 that assignment no longer changes the nodeid (pytest-dev/pytest-xdist#1386): every test was
+    scheduled alone, so a module's fixtures (a Docker image, torchrun runs, a DVC repository, a trained clone) were
+    built again on each worker that got one of its tests, at the same time. This scheduler groups by the module
+    from the nodeid itself."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def __init__(self, config: pytest.Config, log: object = None) -> None:
+            super().__init__(config, log)
+            # keep the collection order; xdist's default puts the modules with the most tests first
+            self.config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::", 1)[0]
+
+    return ModuleScheduling(config, log)
 
 
 def session_dir(factory: pytest.TempPathFactory) -> Path:
@@ -118,3 +156,20 @@ def copy_run(run: tuple[Path, list[str]], dest: Path) -> tuple[Path, list[str]]:
 
 TINY_TRAIN = ["model=tiny_random", "train.max_steps=3", "train.save_steps=2", "train.logging_steps=1",
               "train.per_device_train_batch_size=2"]
+# a higher learning rate than the train tests use, so 3 steps visibly change the tiny model's replies (eval) and
+# move its logits (merge parity has teeth)
+TINY_ADAPTER_TRAIN = [*TINY_TRAIN, "train.learning_rate=1e-2"]
+
+
+def tiny_adapter_run(factory: pytest.TempPathFactory) -> Path:
+    """session_dir/tiny-adapter: small_invoices and a TINY_ADAPTER_TRAIN adapter in outputs/ (adapter, train),
+    trained once per session for the eval and the export tests (whichever xdist worker asks first). Its data/ and
+    outputs/ are read-only; a test may add a folder of its own under it (an eval_dir), or copy what it changes."""
+    def build(root: Path) -> None:
+        from reprotune.config import compose
+        from reprotune.train import train
+
+        small_invoices(root)
+        train(compose([*TINY_ADAPTER_TRAIN, f"paths.root={root}"]))
+
+    return built_once(factory, "tiny-adapter", build)

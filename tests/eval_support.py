@@ -16,29 +16,17 @@ from typing import Any
 
 import pytest
 
-from reprotune.config import compose
+from .conftest import tiny_adapter_run
 
-from .conftest import TINY_TRAIN, built_once, write_jsonl
-
-# a higher learning rate than the train tests use, so 3 steps visibly change the tiny model's replies
-TINY_ADAPTER_TRAIN = [*TINY_TRAIN, "train.learning_rate=1e-2"]
 TINY_EVAL = ["model=tiny_random", "eval.max_new_tokens=24", "eval.batch_size=4", "eval.max_examples=6"]
 
 
 @pytest.fixture(scope="session")
 def tiny_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """paths.root with 32 train / 8 holdout invoices and a 3-step tiny_random adapter in outputs/adapter."""
-    def build(root: Path) -> None:
-        from reprotune.invoices import generate
-        from reprotune.train import train
-
-        rows = generate(40, seed=7)
-        write_jsonl(root / "data/prepared/train.jsonl", rows[:32])
-        write_jsonl(root / "data/prepared/holdout.jsonl", rows[32:])
-        train(compose([*TINY_ADAPTER_TRAIN, f"paths.root={root}"]))
-
-    # shared by every xdist worker; each test evaluates into its own paths.eval_dir under it
-    return built_once(tmp_path_factory, "eval-root", build)
+    """paths.root with 32 train / 8 holdout invoices and a 3-step tiny_random adapter in outputs/adapter
+    (conftest.tiny_adapter_run, shared with the export tests); each test evaluates into its own paths.eval_dir
+    under it."""
+    return tiny_adapter_run(tmp_path_factory)
 
 
 def eval_overrides(root: Path, eval_dir: str, *extra: str) -> list[str]:

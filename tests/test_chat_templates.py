@@ -99,8 +99,8 @@ def test_sft_trainer_takes_trls_patch_path_for_the_qwen3_template(tiny) -> None:
     from datasets import Dataset
     from trl import SFTTrainer
 
-    from reprotune import speed
     from reprotune.models import load_base_model
+    from reprotune.sizing.decide import Hardware, decide
     from reprotune.train import lora_config, sft_config
 
     cfg, model_dir = tiny
@@ -109,9 +109,9 @@ def test_sft_trainer_takes_trls_patch_path_for_the_qwen3_template(tiny) -> None:
     qwen_dir = resolve_model_dir(cfg_q.model, cfg_q.paths.model_cache)
     tokenizer = load_tokenizer(qwen_dir, cfg_q.model)
     tokenizer.chat_template = (TRL_TEMPLATES / "qwen3.jinja").read_text()
-    fast = speed.choose(cfg_q, "cpu")
+    fast = decide(cfg_q, Hardware("cpu"), None, None)
     trainer = SFTTrainer(model=load_base_model(qwen_dir, cfg_q, "cpu", "float32", fast.attn_implementation),
-                         args=sft_config(cfg_q, "cpu", "float32", False, fast),
+                         args=sft_config(cfg_q, fast, False),
                          train_dataset=Dataset.from_list([{"messages": CHAT}]), processing_class=tokenizer,
                          peft_config=lora_config(cfg_q))
     assert trainer.chat_template == (TRL_TEMPLATES / "qwen3_training.jinja").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 
 from reprotune import speed
 from reprotune.config import CONF_DIR, compose, library_keys
+from reprotune.sizing.decide import Hardware, card, decide
 from reprotune.train import METHOD_OWN, TRAIN_OWN, lora_config, sft_config
 
 SRC = Path(__file__).resolve().parents[1] / "src/reprotune"
@@ -20,7 +22,7 @@ GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for g
 
 def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
     cfg = compose([f"paths.root={tmp_path}", "+train.label_smoothing_factor=0.1", "train.learning_rate=3e-4"])
-    args = sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cpu"))
+    args = sft_config(cfg, decide(cfg, Hardware("cpu"), None, None), has_val=False)
     # reprotune sets these itself (where checkpoints go and how they rotate, the validation split, privacy;
     # batch shape and packing fitted by reprotune.speed)
     overridden = {"save_total_limit", "eval_steps", "report_to", "packing", "per_device_train_batch_size",
@@ -37,18 +39,19 @@ def test_fitted_partial_checkpointing_reaches_sftconfig(tmp_path: Path) -> None:
     """A fit of 'every 4th layer' (make plan's preflight on a GPU) becomes transformers' every_n_layers, next to
     the user's own activation_checkpointing_kwargs; with checkpointing off nothing is added."""
     cfg = compose([f"paths.root={tmp_path}", "++train.activation_checkpointing_kwargs={use_reentrant: false}"])
-    fitted = speed.choose(cfg, "cuda", fitted=(4, 4, True, 4, "plan: test"))
-    args = sft_config(cfg, "cpu", "float32", has_val=False, fast=fitted)
+    fitted = replace(decide(cfg, Hardware("cpu"), None, None), activation_checkpointing=True, checkpoint_every_n_layers=4,
+                     per_device_train_batch_size=4, gradient_accumulation_steps=4, process_accumulation=4)
+    args = sft_config(cfg, fitted, has_val=False)
     assert args.activation_checkpointing is True
     assert args.activation_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 4}
-    off = sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cuda", (4, 4, False, 1, "x")))
+    off = sft_config(cfg, replace(fitted, activation_checkpointing=False, checkpoint_every_n_layers=1), has_val=False)
     assert off.activation_checkpointing is False and off.activation_checkpointing_kwargs == {"use_reentrant": False}
 
 
 def test_unknown_train_key_fails_with_trls_message(tmp_path: Path) -> None:
     cfg = compose([f"paths.root={tmp_path}", "+train.learning_rat=1e-4"])
     with pytest.raises(TypeError, match="unexpected keyword argument 'learning_rat'"):
-        sft_config(cfg, "cpu", "float32", has_val=False, fast=speed.choose(cfg, "cpu"))
+        sft_config(cfg, decide(cfg, Hardware("cpu"), None, None), has_val=False)
 
 
 @pytest.mark.parametrize("method", GROUPS["method"])
@@ -124,8 +127,8 @@ def test_flex_attention_compiles_with_dynamic_shapes_from_the_first_call() -> No
     import torch._dynamo
 
     cfg = compose(["model=tiny_random", "hardware=gpu"])
-    gpu = speed.choose(cfg, "cuda", fitted=(16, 1, False, 1, "plan: test"))
-    cpu = speed.choose(compose(["model=tiny_random", "hardware=cpu"]), "cpu")
+    gpu = decide(cfg, card("H200"), None, None)
+    cpu = decide(compose(["model=tiny_random", "hardware=cpu"]), Hardware("cpu"), None, None)
     assert gpu.attn_implementation == "flex_attention" and gpu.dynamic_shapes and gpu.as_record()["dynamic_shapes"]
     assert not cpu.dynamic_shapes
     before = torch._dynamo.config.assume_static_by_default

@@ -141,10 +141,10 @@ def test_strategy_choice() -> None:
     assert distributed.strategy(compose([]), 1) == "none"
     assert distributed.strategy(compose([]), 2) == "ddp"
     assert distributed.strategy(compose(["hardware.distributed=fsdp2"]), 2) == "fsdp2"
-    args = distributed.trainer_arguments(compose(["hardware.distributed=fsdp2"]), 2)
+    args = distributed.trainer_arguments(compose(["hardware.distributed=fsdp2"]), "fsdp2")
     assert args["fsdp"] == "full_shard auto_wrap" and args["fsdp_config"]["fsdp_version"] == 2
     with pytest.raises(ReprotuneError, match="hardware.distributed: must be auto, ddp or fsdp2, not 'zero3'"):
-        distributed.trainer_arguments(compose(["hardware.distributed=zero3"]), 2)
+        distributed.trainer_arguments(compose(["hardware.distributed=zero3"]), "zero3")
 
 
 def _gpu_host(monkeypatch: pytest.MonkeyPatch, count: int) -> None:

@@ -17,7 +17,7 @@ from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.evaluate import evaluate
 
-from .eval_support import TINY_ADAPTER_TRAIN, eval_overrides, tiny_adapter  # noqa: F401 (fixture)
+from .eval_support import eval_overrides, tiny_adapter  # noqa: F401 (fixture)
 
 OUTPUTS = ("metrics.json", "predictions.jsonl", "report.md", "comparison.png", "manifest.json")
 

@@ -12,8 +12,8 @@ from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.merge import merge
 
-from .conftest import TINY_TRAIN, write_jsonl
-from .export_pipeline import tiny_export
+from .conftest import TINY_TRAIN, tiny_adapter_run, write_jsonl
+from .export_pipeline import EXPORT_ARGS, EXPORT_TRAIN, tiny_export
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +119,14 @@ def test_make_verify_reruns_the_merge_manifest(merged: tuple[Path, list[str]]) -
     assert re.search(r"output merged\s+identical", proc.stdout) and "RESULT: identical" in proc.stdout
 
 
-def test_merge_refuses_an_adapter_of_another_base(merged: tuple[Path, list[str]], tmp_path: Path) -> None:
+def test_merge_refuses_an_adapter_of_another_base(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     import shutil
 
     from reprotune.errors import ReprotuneError
 
-    root, overrides = merged
+    # the adapter the export run merges (export_pipeline's train stage), without waiting for that merge
+    root = tiny_adapter_run(tmp_path_factory)
+    overrides = [*EXPORT_TRAIN, *EXPORT_ARGS]
     shutil.copytree(root / "outputs/adapter", tmp_path / "outputs/adapter")
     shutil.copytree(root / "data", tmp_path / "data")
     with pytest.raises(ReprotuneError, match=r"base_model_name_or_path: the adapter was trained on random_init:tiny_random@"

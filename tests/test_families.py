@@ -40,7 +40,7 @@ def test_tiny_family_builds_its_architecture_class(preset: str, tmp_path: Path) 
     cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp_path}"])
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     family = next(f for f, p in FAMILIES.items() if p == preset)
-    model = load_base_model(model_dir, cfg, "cpu", "float32")
+    model = load_base_model(model_dir, cfg, "cpu", "float32", None)
     assert type(model).__name__ == CLASSES[family]
     assert model.config.vocab_size == len(load_tokenizer(model_dir, cfg.model)) == SMOLLM2_IDS
 
@@ -113,10 +113,10 @@ def test_one_id_past_the_embedding_is_caught() -> None:
 
 
 def test_make_plan_warns_of_the_mistral_vocabulary(tmp_path: Path) -> None:
-    from reprotune import plan
+    from reprotune.sizing import report as sz_report
 
-    out = plan.make_plan(compose(["model=mistral_7b_random", f"paths.root={tmp_path}"]))
+    out = sz_report.make_plan(compose(["model=mistral_7b_random", f"paths.root={tmp_path}"]))
     assert any("49,152 ids but the model's vocab_size is 32,768: make train stops" in w for w in out["warnings"])
     assert out["model"]["parameters"] == 7_248_023_552  # MistralForCausalLM on the meta device says the same
-    qwen = plan.make_plan(compose(["model=qwen3_8b_random", f"paths.root={tmp_path}"]))
+    qwen = sz_report.make_plan(compose(["model=qwen3_8b_random", f"paths.root={tmp_path}"]))
     assert not any("make train stops" in w for w in qwen["warnings"])

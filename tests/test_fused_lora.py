@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from reprotune import speed
 from reprotune.config import compose
 from reprotune.fused_lora import fused_forward, fused_lora, plain_adapter
 from reprotune.models import load_base_model, resolve_model_dir
+from reprotune.sizing.decide import Hardware, card, decide
 from reprotune.train import lora_config
 
 from .families import family_params
@@ -36,7 +36,7 @@ def _peft_model(tmp: Path, method: str = "lora", preset: str = "tiny_random"):
     from peft import get_peft_model
 
     cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"method={method}"])
-    model = load_base_model(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg, "cpu", "float32")
+    model = load_base_model(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg, "cpu", "float32", None)
     model = get_peft_model(model, lora_config(cfg))
     torch.manual_seed(0)  # LoRA B starts at zero, which would hide a wrong scale or a dropped term
     for name, param in model.named_parameters():
@@ -145,10 +145,11 @@ def test_dora_and_disabled_adapters_stay_with_peft(tmp_path: Path) -> None:
 
 def test_fast_path_fuses_on_cuda_only(tmp_path: Path) -> None:
     cfg = compose(["model=tiny_random", f"paths.root={tmp_path}"])
-    assert speed.choose(cfg, "cuda").fused_lora and speed.choose(cfg, "cuda").as_record()["fused_lora"]
-    assert not speed.choose(cfg, "cpu").fused_lora  # the CPU path (and its golden trajectory) is PEFT's own
+    gpu = decide(cfg, card("H200"), None, None)
+    assert gpu.fused_lora and gpu.as_record()["fused_lora"]
+    assert not decide(cfg, Hardware("cpu"), None, None).fused_lora  # the CPU path (and its golden trajectory) is PEFT's own
     off = compose(["model=tiny_random", f"paths.root={tmp_path}", "hardware.fused_lora=false"])
-    assert not speed.choose(off, "cuda").fused_lora
+    assert not decide(off, card("H200"), None, None).fused_lora
 
 
 def test_qlora_4bit_layers_take_the_fused_path(tmp_path: Path) -> None:

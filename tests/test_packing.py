@@ -19,6 +19,8 @@ from reprotune import speed
 from reprotune.config import compose
 from reprotune.invoices import generate
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.sizing.decide import Hardware, card, decide
+from reprotune.sizing.memory import GIB, memory_budget
 from reprotune.train import lora_config, sft_config
 
 from .families import family_params
@@ -32,13 +34,13 @@ def _trainer(tmp: Path, packing: bool, preset: str = "tiny_random"):
 
     cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"train.packing={packing}",
                    "train.per_device_train_batch_size=1"])
-    fast = speed.choose(cfg, "cpu")
+    fast = decide(cfg, Hardware("cpu"), None, None)
     assert fast.packing is packing
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg.model)
     model = load_base_model(model_dir, cfg, "cpu", "float32", fast.attn_implementation)
     rows = [{"messages": r["messages"]} for r in generate(N_EXAMPLES, seed=3)]
-    trainer = SFTTrainer(model=model, args=sft_config(cfg, "cpu", "float32", False, fast),
+    trainer = SFTTrainer(model=model, args=sft_config(cfg, fast, False),
                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                          peft_config=lora_config(cfg))
     torch.manual_seed(0)  # LoRA B starts at zero, which would make every A gradient zero: perturb it
@@ -208,9 +210,9 @@ def test_packed_gradients_under_each_kernel_level(level: str) -> None:
 
 def test_cpu_default_keeps_the_unpacked_path() -> None:
     cfg = compose(["model=tiny_random"])
-    fast = speed.choose(cfg, "cpu")
+    fast = decide(cfg, Hardware("cpu"), None, None)
     assert not fast.packing and not fast.liger and not fast.activation_checkpointing
-    gpu = speed.choose(compose(["model=tiny_random", "hardware=gpu"]), "cuda")
+    gpu = decide(compose(["model=tiny_random", "hardware=gpu"]), card("H200"), None, None)
     assert gpu.packing and gpu.attn_implementation == "flex_attention"
 
 
@@ -221,24 +223,24 @@ def _shape(**kw):
                        num_attention_heads=32, num_key_value_heads=8, **kw)
 
 
-@pytest.mark.parametrize(("method", "budget_gib", "ckpt"), [("qlora", 20, True), ("qlora", 40, False),
+@pytest.mark.parametrize(("method", "budget_gib", "ckpt"), [("qlora", 20, True), ("qlora", 40, True),
                                                            ("lora", 126, False), ("lora", 20, True)])
 def test_memory_fit_keeps_the_global_batch(method: str, budget_gib: float, ckpt: bool) -> None:
-    cfg = compose([f"method={method}", "data.max_length=1100", "train.per_device_train_batch_size=4",
-                   "train.gradient_accumulation_steps=4"])
-    rows, accum, on, every, why = speed.fit_micro_batch(cfg, _shape(), budget_gib * speed.GIB, liger=True)
-    assert rows * accum == 16 and on is ckpt and every == 1, why
-    # the H200 measurements the rule was fitted to: the estimate must not be under them
-    assert speed.estimate_peak_bytes(_shape(), 4400, True, True, False) >= 23.57 * speed.GIB
-    assert speed.estimate_peak_bytes(_shape(), 4400, False, True, False) >= 33.47 * speed.GIB
-    assert speed.estimate_peak_bytes(_shape(), 4400, True, True, True) >= 6.41 * speed.GIB
+    """The fit on a GPU (an H200 described, budget hardware.memory_budget_gib) trades rows for accumulation and
+    checkpointing, never the global batch (the 8B Llama-block shape, 4 x 1,100-token rows x 4)."""
+    cfg = compose(["model=llama_shape_8b_random", f"method={method}", "data.max_length=1100",
+                   "train.max_length=1100", "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=4",
+                   f"hardware.memory_budget_gib={budget_gib}", "paths.prepared=/nonexistent"])
+    run = decide(cfg, card("H200"), None, None)
+    assert run.per_device_train_batch_size * run.gradient_accumulation_steps == 16, run.reasons
+    assert run.activation_checkpointing is ckpt and run.predicted["card_gib"] <= budget_gib, run.reasons
 
 
 def test_qlora_default_budget_is_a_24gb_card() -> None:
     cfg = compose(["method=qlora"])
-    assert speed.memory_budget(cfg, 140 * speed.GIB) == 22 * speed.GIB  # of card: ~20 GiB peak allocated
-    assert speed.memory_budget(cfg, 140 * speed.GIB) < 23.5 * speed.GIB  # an RTX 4090 as torch sees it
-    assert speed.memory_budget(compose(["method=lora"]), 100 * speed.GIB) == 90 * speed.GIB
+    assert memory_budget(cfg, 140 * GIB) == 22 * GIB  # of card: ~20 GiB peak allocated
+    assert memory_budget(cfg, 140 * GIB) < 23.5 * GIB  # an RTX 4090 as torch sees it
+    assert memory_budget(compose(["method=lora"]), 100 * GIB) == 90 * GIB
 
 
 def test_step_flops_of_an_8b_shape() -> None:

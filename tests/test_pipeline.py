@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import sys
+from pathlib import Path
 
 import yaml
 
@@ -25,8 +27,8 @@ def test_code_deps_cover_every_imported_project_module() -> None:
     src = "src/reprotune/"
     assert {f"{src}{m}.py" for m in ("models", "manifest", "config", "llamacpp", "modelfile")} <= deps["gguf"]
     assert {f"{src}manifest.py", f"{src}config.py", f"{src}models.py"} <= deps["eval"]  # eval loads through models
-    for name, st in pipeline.STAGES.items():
-        for module in pipeline.import_closure(st.module):
+    for name, st in pipeline.DVC_STAGES.items():
+        for module in pipeline.import_closure(st.command or st.module):
             assert pipeline.module_file(module).relative_to(REPO).as_posix() in deps[name], (name, module)
     assert f"{src}pipeline.py" not in set().union(*deps.values())  # imported by no stage
 
@@ -91,3 +93,19 @@ def test_prepare_depends_on_the_users_data_path(tmp_path) -> None:
     assert params["data"]["path"] == "./data/raw/invoices.jsonl"
     assert params["train"]["max_length"] == params["data"]["max_length"]  # resolved: DVC sees the value
     assert params["paths"]["model_cache"].startswith("${oc.env:REPROTUNE_CACHE")  # where is no param
+
+
+def test_make_help_prints_the_stage_registry() -> None:
+    """make help lists the stages from reprotune.pipeline.STAGES, the registry dvc.yaml and the structure test read."""
+    import os
+    import subprocess
+
+    venv = Path(sys.executable).parent.parent
+    out = subprocess.run(["make", "-s", "help", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed = out.stdout.split("stages (reprotune.pipeline.STAGES):", 1)[1]
+    for name, st in pipeline.STAGES.items():
+        assert f"  {name:<14} {st.desc}" in listed, name
+    dvc_stages = set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+    assert dvc_stages == set(pipeline.DVC_STAGES) and "plan" in set(pipeline.STAGES) - dvc_stages

@@ -13,8 +13,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from reprotune import plan, speed
 from reprotune.config import CONF_DIR, compose
+from reprotune.sizing import calibration as sz_calibration
+from reprotune.sizing import decide as sz_decide
+from reprotune.sizing import fit as sz_fit
+from reprotune.sizing import memory as sz_memory
+from reprotune.sizing import preflight as sz_preflight
+from reprotune.sizing import report as sz_report
+from reprotune.sizing import shape as sz_shape
+from reprotune.sizing import throughput as sz_throughput
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -42,7 +49,7 @@ def write_prepared(folder: Path, lengths: list[int], max_length: int = 512, mode
 # ------------------------------------------------------------------------------ calibration (GPU measurements)
 def test_committed_measurements_are_predicted_within_bounds() -> None:
     """Every committed H200 measurement: predicted peak within +-10%, never under by more than 5%."""
-    rows = plan.calibration_errors(plan.load_calibration())
+    rows = sz_calibration.calibration_errors(sz_calibration.load_calibration())
     assert len(rows) >= 5
     for row in rows:
         assert -0.05 <= row["error"] <= 0.10, row
@@ -50,31 +57,32 @@ def test_committed_measurements_are_predicted_within_bounds() -> None:
 
 # issue #25: the presets' real architectures on one H200 (Qwen3ForCausalLM, MistralForCausalLM, Llama 3.2)
 ARCHITECTURE_RUNS = ("qwen3-8b-lora-packed-nockpt-16rows", "qwen3-8b-qlora-packed-ckpt-16rows",
-                     "mistral-7b-lora-packed-nockpt-16rows", "llama32-1b-lora-packed-nockpt-16rows")
+                     "mistral-7b-lora-packed-nockpt-16rows",
+                     "mistral-7b-lora-packed-nockpt-16rows-bench", "llama32-1b-lora-packed-nockpt-16rows")
 
 
 @pytest.mark.parametrize("name", ARCHITECTURE_RUNS)
 def test_real_architectures_are_never_under_predicted(name: str) -> None:
     """On the real architectures the predicted peak is never below the measured one and at most 10% above (the
     q/k norms, 128-dim heads, untied 151,936-row head of Qwen3-8B: -4.3% before they were counted)."""
-    entry = next(e for e in plan.load_calibration() if e["name"] == name)
-    (row,) = plan.calibration_errors([entry])
+    entry = next(e for e in sz_calibration.load_calibration() if e["name"] == name)
+    (row,) = sz_calibration.calibration_errors([entry])
     assert 0.0 <= row["error"] <= 0.10, row
 
 
 def test_memory_model_is_no_worse_than_committed() -> None:
     """The committed table records each prediction's error; a change to the model that makes the worst or the
     mean error larger fails (update conf/plan/calibration.json with bench/plan_calibrate.py --table --write)."""
-    entries = [e for e in plan.load_calibration() if e.get("measured", {}).get("peak_allocated_gib")]
+    entries = [e for e in sz_calibration.load_calibration() if e.get("measured", {}).get("peak_allocated_gib")]
     committed = [abs(e["error"]) for e in entries]
-    now = [abs(r["error"]) for r in plan.calibration_errors(entries)]
+    now = [abs(r["error"]) for r in sz_calibration.calibration_errors(entries)]
     assert max(now) <= max(committed) + 0.002
     assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
 
 
 @pytest.fixture(scope="module")
 def calibration_rows() -> list[dict]:
-    return plan.calibration_errors(plan.load_calibration())
+    return sz_calibration.calibration_errors(sz_calibration.load_calibration())
 
 
 def test_committed_throughputs_are_predicted_within_20_percent(calibration_rows: list[dict]) -> None:
@@ -92,10 +100,10 @@ def test_committed_throughputs_are_predicted_within_20_percent(calibration_rows:
 
 def test_throughput_model_is_no_worse_than_committed() -> None:
     """The worst and mean tokens/s errors may not grow (bench/plan_calibrate.py --table --write records them)."""
-    entries = [e for e in plan.load_calibration() if e.get("measured", {}).get("tokens_per_second")
+    entries = [e for e in sz_calibration.load_calibration() if e.get("measured", {}).get("tokens_per_second")
                and not e.get("tokens_per_second_outlier")]
     committed = [abs(e["tokens_per_second_error"]) for e in entries]
-    now = [abs(r["tokens_per_second_error"]) for r in plan.calibration_errors(entries)]
+    now = [abs(r["tokens_per_second_error"]) for r in sz_calibration.calibration_errors(entries)]
     assert max(now) <= max(committed) + 0.002, (max(now), max(committed))
     assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
 
@@ -103,52 +111,52 @@ def test_throughput_model_is_no_worse_than_committed() -> None:
 def test_throughput_constants_are_the_fit_of_the_committed_runs(calibration_rows: list[dict]) -> None:
     """conf/plan/throughput.yaml's constants are what bench/plan_calibrate.py --fit gets from the committed runs
     (a new measurement folded into the table without refitting fails here), and all are positive costs."""
-    tp = plan.load_table("throughput.yaml")
-    fitted = plan.fit_throughput(plan.throughput_fit_rows(calibration_rows))
+    tp = sz_shape.load_table("throughput.yaml")
+    fitted = sz_calibration.fit_throughput(sz_calibration.throughput_fit_rows(calibration_rows))
     assert len(fitted) == 7 and all(v > 0 for v in fitted.values()), fitted
-    assert plan.with_constants(tp, fitted) == tp, fitted
+    assert sz_calibration.with_constants(tp, fitted) == tp, fitted
 
 
-def _qlora_8b(ckpt: bool, every: int = 1, rows: int = 4) -> tuple[plan.Shape, plan.Settings]:
+def _qlora_8b(ckpt: bool, every: int = 1, rows: int = 4) -> tuple[sz_shape.Shape, sz_memory.Settings]:
     cfg = compose(["model=qwen3_8b_random", "method=qlora", "hardware=gpu", "data.max_length=1100",
                    f"hardware.gradient_checkpointing={str(ckpt).lower()}", f"train.per_device_train_batch_size={rows}",
                    f"++train.activation_checkpointing_kwargs.every_n_layers={every}"])
-    return plan.model_shape(cfg.model), plan.settings_from_cfg(cfg)
+    return sz_shape.model_shape(cfg.model), sz_decide.configured_settings(cfg)
 
 
 def test_throughput_falls_with_every_recomputed_layer_and_with_fewer_rows() -> None:
     """Physical direction of the model: more recomputed layers and fewer tokens per micro-step cost throughput,
     and recomputing a QLoRA layer costs more than its FLOP share (measured: 9 of 36 layers cost 25%;
     the model, fitted to all QLoRA rows, says 13%)."""
-    tables = {"throughput": plan.load_table("throughput.yaml")}
-    data = plan.DataShape(examples=2000, max_tokens=1055, mean_tokens=655, total_tokens=1310000,
+    tables = {"throughput": sz_shape.load_table("throughput.yaml")}
+    data = sz_shape.DataShape(examples=2000, max_tokens=1055, mean_tokens=655, total_tokens=1310000,
                           assistant_share=0.35, prepared_max_length=1100, tokenizer_model=None, overlong=0,
                           source="test")
-    speeds = [plan.tokens_per_second(*_qlora_8b(ckpt, every), data, "H200", tables)[0]
+    speeds = [sz_throughput.tokens_per_second(*_qlora_8b(ckpt, every), data, "H200", tables)[0]
               for ckpt, every in ((False, 1), (True, 8), (True, 4), (True, 2), (True, 1))]
     assert all(a > b for a, b in zip(speeds, speeds[1:], strict=False)), speeds
     shape, s = _qlora_8b(True, 4)
-    work = plan.step_work(shape, s, data)
-    flop_share = 1 - plan.step_work(shape, replace(s, checkpointing=False), data).flops / work.flops
+    work = sz_throughput.step_work(shape, s, data)
+    flop_share = 1 - sz_throughput.step_work(shape, replace(s, checkpointing=False), data).flops / work.flops
     assert 1 - speeds[2] / speeds[0] > flop_share  # the extra dequantisation; the model says 13%, not 25%
-    two_rows = plan.tokens_per_second(*_qlora_8b(False, 1, rows=2), data, "H200", tables)[0]
+    two_rows = sz_throughput.tokens_per_second(*_qlora_8b(False, 1, rows=2), data, "H200", tables)[0]
     assert two_rows < 0.8 * speeds[0]
-    rtx = plan.tokens_per_second(*_qlora_8b(False), data, "RTX 4090", tables)
+    rtx = sz_throughput.tokens_per_second(*_qlora_8b(False), data, "RTX 4090", tables)
     assert "unmeasured" in rtx[1] and rtx[0] < speeds[0] / 5
 
 
 def test_a_measured_run_of_exactly_this_configuration_wins(tmp_path: Path) -> None:
     """make plan uses a committed H200 measurement when model, settings and data match; the model otherwise."""
-    entry = next(e for e in plan.load_calibration() if e["name"] == "8b-lora-packed-nockpt")
-    cfg, s = plan.entry_settings(entry)
-    data = plan.DataShape(**entry["data_shape"])
-    assert plan.measured_run(str(cfg.model.name), s, data)["name"] == "8b-lora-packed-nockpt"
-    assert plan.measured_run(str(cfg.model.name), replace(s, batch_size=2), data) is None
-    assert plan.measured_run("llama32_1b_random", s, data) is None
-    assert plan.measured_run(str(cfg.model.name), s, replace(data, mean_tokens=900)) is None
+    entry = next(e for e in sz_calibration.load_calibration() if e["name"] == "8b-lora-packed-nockpt")
+    cfg, s = sz_calibration.entry_settings(entry)
+    data = sz_shape.DataShape(**entry["data_shape"])
+    assert sz_calibration.measured_run(str(cfg.model.name), s, data)["name"] == "8b-lora-packed-nockpt"
+    assert sz_calibration.measured_run(str(cfg.model.name), replace(s, batch_size=2), data) is None
+    assert sz_calibration.measured_run("llama32_1b_random", s, data) is None
+    assert sz_calibration.measured_run(str(cfg.model.name), s, replace(data, mean_tokens=900)) is None
     # end to end: make plan on data of that mean length shows the measurement on the H200, the model elsewhere
     prepared = write_prepared(tmp_path / "data" / "prepared", [655] * 200, max_length=1100, model="qwen3_8b_random")
-    out = plan.make_plan(compose([*entry["overrides"], f"paths.root={tmp_path}"]))
+    out = sz_report.make_plan(compose([*entry["overrides"], f"paths.root={tmp_path}"]))
     rows = {r["gpu"]: r for r in out["time_and_cost"]}
     assert rows["H200"]["tokens_per_second"] == 12169, rows["H200"]
     assert rows["H200"]["throughput_source"] == "measured: 8b-lora-packed-nockpt (conf/plan/calibration.json)"
@@ -161,8 +169,8 @@ def test_parameter_counts_match_the_measured_models() -> None:
     included (README): the Llama-block shapes the calibration runs before #25 measured."""
     for preset, expected in (("llama_shape_8b_random", 7.39e9), ("llama_shape_1b_random", 1.09e9)):
         cfg = compose([f"model={preset}"])
-        shape = plan.model_shape(cfg.model)
-        p = plan.count_params(shape, list(cfg.model.lora_target_modules), 16, False)
+        shape = sz_shape.model_shape(cfg.model)
+        p = sz_shape.count_params(shape, list(cfg.model.lora_target_modules), 16, False)
         assert abs((p.total + p.trainable) - expected) / expected < 0.005, preset
 
 
@@ -181,19 +189,19 @@ def test_parameter_count_is_what_transformers_builds(preset: str) -> None:
         model_type, arch = random_init_architecture(OmegaConf.to_container(model.random_init, resolve=True))
     else:
         model_type, arch = str(model.model_type), OmegaConf.to_container(model.architecture, resolve=True)
-    arch["vocab_size"] = arch.get("vocab_size") or plan.BUILTIN_TOKENIZER_VOCAB
+    arch["vocab_size"] = arch.get("vocab_size") or sz_shape.BUILTIN_TOKENIZER_VOCAB
     config = AutoConfig.for_model(model_type, **arch)
     with torch.device("meta"):
         built = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     expected = sum(p.numel() for p in built.parameters())
-    assert plan.count_params(plan.model_shape(model), list(plan.LINEAR_MODULES), 16, False).total == expected
+    assert sz_shape.count_params(sz_shape.model_shape(model), list(sz_shape.LINEAR_MODULES), 16, False).total == expected
     if preset.startswith("qwen3_8b"):
         assert expected == 8_190_735_360 and type(built).__name__ == "Qwen3ForCausalLM"
 
 
 def test_nf4_weights_are_about_a_quarter_of_bf16() -> None:
     cfg = compose(["model=llama_shape_8b_random", "method=qlora"])
-    out = plan.make_plan(cfg)
+    out = sz_report.make_plan(cfg)
     bf16, nf4 = out["model"]["frozen_weight_bytes"]["bf16"], out["model"]["frozen_weight_bytes"]["nf4_double_quant"]
     # NF4 4.127 bits per layer weight with double quantisation; embeddings and the LM head stay in bf16
     assert 4.0 * GIB < nf4 < 4.2 * GIB and 13.6 * GIB < bf16 < 13.8 * GIB
@@ -219,7 +227,7 @@ def test_activation_coefficients_match_autograd(mode: str) -> None:
         config = LlamaConfig(vocab_size=256, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=kv, attn_implementation="sdpa")
         model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
-                               LoraConfig(r=16, lora_alpha=32, target_modules=list(plan.LINEAR_MODULES)))
+                               LoraConfig(r=16, lora_alpha=32, target_modules=list(sz_shape.LINEAR_MODULES)))
         if mode == "qlora_like":  # TRL casts the adapters of a quantised model to bf16
             for param in model.parameters():
                 if param.requires_grad:
@@ -239,13 +247,13 @@ def test_activation_coefficients_match_autograd(mode: str) -> None:
         return sum(seen.values())
 
     measured = saved_bytes(2) - saved_bytes(1)
-    shape = plan.Shape(hidden=h, intermediate=i, layers=1, heads=heads, kv_heads=kv, head_dim=h // heads,
+    shape = sz_shape.Shape(hidden=h, intermediate=i, layers=1, heads=heads, kv_heads=kv, head_dim=h // heads,
                        vocab=256, tied=True, source="test")
-    s = plan.replace(plan.settings_from_cfg(compose(["method=" + ("qlora" if mode == "qlora_like" else "lora")])),
+    s = replace(sz_decide.configured_settings(compose(["method=" + ("qlora" if mode == "qlora_like" else "lora")])),
                      mask_repeats_kv=False, liger=False, input_casts=mode == "input_casts")
-    consts = plan.load_table("memory.yaml")
-    trainable = plan.count_params(shape, list(plan.LINEAR_MODULES), 16, False).trainable
-    predicted = plan.layer_activation_bytes(shape, s, consts) * tokens + (0 if mode == "qlora_like" else 2 * trainable)
+    consts = sz_shape.load_table("memory.yaml")
+    trainable = sz_shape.count_params(shape, list(sz_shape.LINEAR_MODULES), 16, False).trainable
+    predicted = sz_memory.layer_activation_bytes(shape, s, consts) * tokens + (0 if mode == "qlora_like" else 2 * trainable)
     assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
 
 
@@ -257,7 +265,7 @@ def test_every_preset_is_planned_on_cpu(model: str, method: str, tmp_path: Path)
     shape = ["train.per_device_train_batch_size=4", "data.max_length=512"]  # whatever a preset's own defaults
     cfg = compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
                    f"paths.outputs={tmp_path / 'out'}", *shape])
-    out = plan.make_plan(cfg)
+    out = sz_report.make_plan(cfg)
     mem = out["memory"]
     parts = mem["parts_gib"]
     assert mem["peak_gib"] > parts["weights"] > 0
@@ -267,8 +275,8 @@ def test_every_preset_is_planned_on_cpu(model: str, method: str, tmp_path: Path)
     assert all(row["fits"] for row in out["time_and_cost"] if row["gpu"] == "H200")
     # the GPU fast path packs: 4 rows of up to max_length; unpacked, 4 examples padded to the longest (480)
     assert mem["tokens_per_micro_batch"] == 4 * 512 and out["settings"]["packing"]
-    unpacked = plan.make_plan(compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
-                                       "train.packing=false", *shape]))
+    unpacked = sz_report.make_plan(compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
+                                            "train.packing=false", *shape]))
     assert unpacked["memory"]["tokens_per_micro_batch"] == 4 * 480
     json.dumps(out)  # plan.json is plain JSON
 
@@ -276,10 +284,10 @@ def test_every_preset_is_planned_on_cpu(model: str, method: str, tmp_path: Path)
 def test_checkpointing_and_packing_change_the_peak_as_expected(tmp_path: Path) -> None:
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
     base = ["model=qwen3_8b_random", f"paths.prepared={prepared}", "data.max_length=1100"]
-    on = plan.make_plan(compose([*base, "hardware.gradient_checkpointing=true"]))["memory"]
-    off = plan.make_plan(compose([*base, "hardware.gradient_checkpointing=false"]))["memory"]
+    on = sz_report.make_plan(compose([*base, "hardware.gradient_checkpointing=true"]))["memory"]
+    off = sz_report.make_plan(compose([*base, "hardware.gradient_checkpointing=false"]))["memory"]
     base.append("train.packing=false")
-    packed = plan.make_plan(compose([*base, "hardware.gradient_checkpointing=false", "train.packing=true",
+    packed = sz_report.make_plan(compose([*base, "hardware.gradient_checkpointing=false", "train.packing=true",
                                      "hardware.fast_path=false", "hardware.liger_kernel=false"]))["memory"]
     assert on["peak_gib"] < off["peak_gib"] < packed["peak_gib"]
     assert packed["tokens_per_micro_batch"] == 4 * 1100
@@ -287,7 +295,7 @@ def test_checkpointing_and_packing_change_the_peak_as_expected(tmp_path: Path) -
 
 def test_fit_table_picks_smaller_settings_for_smaller_cards(tmp_path: Path) -> None:
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
-    out = plan.make_plan(compose(["model=qwen3_8b_random", "data.max_length=1100", f"paths.prepared={prepared}",
+    out = sz_report.make_plan(compose(["model=qwen3_8b_random", "data.max_length=1100", f"paths.prepared={prepared}",
                                   "train.per_device_train_batch_size=8"]))
     fit = out["fit"]
     assert "checkpointing off" in fit["141 GB"]["setting"]
@@ -300,11 +308,14 @@ def test_fit_table_picks_smaller_settings_for_smaller_cards(tmp_path: Path) -> N
 def test_auto_checkpointing_is_on_only_when_needed(tmp_path: Path) -> None:
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
     cfg = compose(["model=qwen3_8b_random", "hardware=auto", f"paths.prepared={prepared}", "data.max_length=1100"])
-    assert plan.decide_checkpointing(cfg, 140 * GIB) is False
-    assert plan.decide_checkpointing(cfg, 24 * GIB) is True
+    assert not sz_decide.decide(cfg, sz_decide.Hardware("cuda", 140 * GIB)).activation_checkpointing
+    assert sz_decide.decide(cfg, sz_decide.Hardware("cuda", 24 * GIB)).activation_checkpointing
     forced = compose(["model=qwen3_8b_random", "hardware.gradient_checkpointing=true", f"paths.prepared={prepared}"])
-    assert plan.decide_checkpointing(forced, 140 * GIB) is True
-    assert plan.preflight(compose(["model=tiny_random", "hardware=cpu"]), "cpu") is None
+    assert sz_decide.decide(forced, sz_decide.Hardware("cuda", 140 * GIB)).activation_checkpointing
+    cpu = compose(["model=tiny_random", "hardware=cpu", f"paths.root={tmp_path}"])
+    assert sz_preflight.preflight(cpu, sz_decide.Hardware("cpu"), None).predicted is None  # no plan on a CPU
+    written = json.loads((tmp_path / "outputs" / "train" / "plan.json").read_text())  # train's declared output
+    assert written["memory"] is None and written["run_settings"]["device"] == "cpu"
 
 
 def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
@@ -317,30 +328,30 @@ def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
     cfg = compose(["model=llama_shape_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
                    "train.gradient_accumulation_steps=4"])
-    consts, shape, data = plan.load_table("memory.yaml"), plan.model_shape(cfg.model), plan.load_data_shape(cfg)
-    tp = plan.load_table("throughput.yaml")
+    consts, shape, data = sz_shape.load_table("memory.yaml"), sz_shape.model_shape(cfg.model), sz_shape.load_data_shape(cfg)
+    tp = sz_shape.load_table("throughput.yaml")
 
-    def tps(s: plan.Settings) -> float:
-        return plan.model_tokens_per_second(shape, s, data, tp)
+    def tps(s: sz_memory.Settings) -> float:
+        return sz_throughput.model_tokens_per_second(shape, s, data, tp)
 
-    roomy, _ = plan.fit_to_budget(cfg, shape, data, 100 * GIB, consts)
+    roomy, _ = sz_fit.fit_to_budget(sz_decide.configured_settings(cfg), False, shape, data, 100 * GIB, consts)
     assert (roomy.checkpointing, roomy.batch_size, roomy.grad_accum) == (False, 16, 1)
-    default, mem = plan.fit_to_budget(cfg, shape, data, speed.QLORA_BUDGET_GIB * GIB, consts)
+    default, mem = sz_fit.fit_to_budget(sz_decide.configured_settings(cfg), False, shape, data, sz_memory.QLORA_BUDGET_GIB * GIB, consts)
     assert (default.checkpointing, default.ckpt_every, default.batch_size, default.grad_accum) == (True, 1, 16, 1)
     assert mem["peak_gib"] < 20
-    previous = replace(plan.settings_from_cfg(cfg), checkpointing=True, ckpt_every=4)  # 4 x 4, every 4th layer
+    previous = replace(sz_decide.configured_settings(cfg), checkpointing=True, ckpt_every=4)  # 4 x 4, every 4th layer
     assert tps(default) > tps(previous) > tps(replace(previous, ckpt_every=1))
-    headline = plan.make_plan(cfg)  # make plan shows the setting the preflight picks, and its peak
+    headline = sz_report.make_plan(cfg)  # make plan shows the setting the preflight picks, and its peak
     assert (headline["settings"]["batch_size"], headline["settings"]["checkpointing"]) == (16, True)
-    assert headline["memory"]["peak_gib"] == mem["peak_gib"] and "16x1100 packed" in plan.format_plan(headline)
+    assert headline["memory"]["peak_gib"] == mem["peak_gib"] and "16x1100 packed" in sz_report.format_plan(headline)
     for budget in (12, 9, 6.5):  # tighter budgets: fewer rows per micro-step, the global batch kept
-        s, m = plan.fit_to_budget(cfg, shape, data, budget * GIB, consts)
+        s, m = sz_fit.fit_to_budget(sz_decide.configured_settings(cfg), False, shape, data, budget * GIB, consts)
         assert s.batch_size * s.grad_accum == 16 and m["card_gib"] <= budget, (budget, s)
-    tight, _ = plan.fit_to_budget(cfg, shape, data, 6.5 * GIB, consts)
+    tight, _ = sz_fit.fit_to_budget(sz_decide.configured_settings(cfg), False, shape, data, 6.5 * GIB, consts)
     assert tight.checkpointing and tight.batch_size < 4
     forced = compose(["model=llama_shape_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}",
                       "train.gradient_accumulation_steps=4", "hardware.gradient_checkpointing=true"])
-    as_set, _ = plan.fit_to_budget(forced, shape, data, 100 * GIB, consts)  # forced: exactly as configured
+    as_set, _ = sz_fit.fit_to_budget(sz_decide.configured_settings(forced), True, shape, data, 100 * GIB, consts)  # forced: exactly as configured
     assert (as_set.checkpointing, as_set.batch_size, as_set.grad_accum) == (True, 4, 4)
 
 
@@ -348,29 +359,28 @@ def test_checkpointing_more_layers_needs_less_memory(tmp_path: Path) -> None:
     """Partial checkpointing sits between none and all, and goes down with every layer added."""
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
     cfg = compose(["model=qwen3_8b_random", "method=qlora", "data.max_length=1100", f"paths.prepared={prepared}"])
-    shape, data, consts = plan.model_shape(cfg.model), plan.load_data_shape(cfg), plan.load_table("memory.yaml")
-    s = plan.settings_from_cfg(cfg)
-    p = plan.count_params(shape, list(s.targets), s.r, s.dora)
+    shape, data, consts = sz_shape.model_shape(cfg.model), sz_shape.load_data_shape(cfg), sz_shape.load_table("memory.yaml")
+    s = sz_decide.configured_settings(cfg)
+    p = sz_shape.count_params(shape, list(s.targets), s.r, s.dora)
     ladder = [replace(s, checkpointing=False)] + [replace(s, checkpointing=True, ckpt_every=n)
-                                                  for n in (*plan.PARTIAL_EVERY, 1)]
-    peaks = [plan.memory(shape, p, c, data, consts)["peak_allocated_bytes"] for c in ladder]
+                                                  for n in (*sz_fit.PARTIAL_EVERY, 1)]
+    peaks = [sz_memory.memory(shape, p, c, data, consts)["peak_allocated_bytes"] for c in ladder]
     assert all(a > b for a, b in zip(peaks, peaks[1:], strict=False)), peaks
-    assert [plan.memory(shape, p, c, data, consts)["checkpointed_layers"] for c in ladder] == [0, 5, 6, 9, 12, 18, 36]
-    assert "++train.activation_checkpointing_kwargs.every_n_layers=4" in plan.overrides_for(ladder[3], s)
+    assert [sz_memory.memory(shape, p, c, data, consts)["checkpointed_layers"] for c in ladder] == [0, 5, 6, 9, 12, 18, 36]
+    assert "++train.activation_checkpointing_kwargs.every_n_layers=4" in sz_fit.overrides_for(ladder[3], s)
 
 
 def test_preflight_stops_with_one_line_and_the_settings_that_fit(tmp_path: Path, capsys) -> None:
     prepared = write_prepared(tmp_path / "p", [1000] * 50, max_length=1100)
     cfg = compose(["model=qwen3_8b_random", "hardware=gpu", "hardware.gradient_checkpointing=false",
-                   "data.max_length=1100", f"paths.prepared={prepared}"])
-    out = plan.make_plan(cfg, free_bytes=22 * GIB)
+                   "data.max_length=1100", f"paths.prepared={prepared}", f"paths.root={tmp_path}"])
     with pytest.raises(SystemExit) as stop:
-        plan.check_fits(cfg, out, 22 * GIB, "Test GPU")
+        sz_preflight.preflight(cfg, sz_decide.Hardware("cuda", 22 * GIB, "Test GPU"), None)
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "22.0 GiB free on Test GPU" in err and "hardware.gradient_checkpointing=true" in err
-    plan.check_fits(cfg, out, 80 * GIB, "Test GPU")  # fits: returns
+    assert sz_preflight.preflight(cfg, sz_decide.Hardware("cuda", 80 * GIB, "Test GPU"), None).fits  # fits: returns
 
 
 # ------------------------------------------------------------------------------------------------- warnings
@@ -379,7 +389,7 @@ def test_warnings_name_what_costs_a_paid_hour(tmp_path: Path, monkeypatch) -> No
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     prepared = write_prepared(tmp_path / "p", [100, 700], max_length=512, overlong=3)
     cfg = compose(["model=llama32_1b", f"paths.prepared={prepared}", "train.max_steps=50"])
-    text = "\n".join(plan.make_plan(cfg)["warnings"])
+    text = "\n".join(sz_report.make_plan(cfg)["warnings"])
     assert "not pinned" in text
     assert "gated and HF_TOKEN is not set" in text
     assert "3 example(s) were over data.max_length 512" in text
@@ -393,10 +403,10 @@ def test_hf_token_is_checked_by_name_never_written(tmp_path: Path, monkeypatch) 
     prepared = write_prepared(tmp_path / "p", [100] * 40)
     cfg = compose(["model=llama32_1b", "model.revision=" + "a" * 40, f"paths.prepared={prepared}",
                    f"paths.outputs={tmp_path / 'out'}"])
-    out = plan.make_plan(cfg)
+    out = sz_report.make_plan(cfg)
     assert not [w for w in out["warnings"] if "gated" in w or "pinned" in w]
-    written = plan.write_plan(out, cfg).read_text()
-    assert secret not in written and secret not in plan.format_plan(out)
+    written = sz_report.write_plan(out, Path(cfg.paths.outputs) / "plan.json").read_text()
+    assert secret not in written and secret not in sz_report.format_plan(out)
 
 
 def test_unknown_architecture_is_one_line_exit_2(tmp_path: Path) -> None:

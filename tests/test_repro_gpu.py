@@ -47,8 +47,8 @@ def test_strict_gpu_runs_are_byte_identical(tmp_path: Path) -> None:
     assert a["device"] == "cuda" and a["determinism"]["deterministic_algorithms"] is True
     assert a["determinism"]["cublas_workspace_config"] == ":4096:8"
     # strict keeps the fast path's attention (flex attention on packed rows: deterministic with deterministic
-    # algorithms on); eager only for unpacked strict runs (reprotune.speed.choose)
-    want = "flex_attention" if a["fast_path"]["packing"] else "eager"
+    # algorithms on); eager only for unpacked strict runs (reprotune.runtime.attention)
+    want = "flex_attention" if a["run_settings"]["packing"] else "eager"
     assert a["determinism"]["attn_implementation"] == want
     print(f"strict GPU adapters: {a['outputs']['adapter']['sha256']} / {b['outputs']['adapter']['sha256']}")
     assert a["outputs"]["adapter"]["files"] == b["outputs"]["adapter"]["files"]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from reprotune.checkpoints import CHECKPOINT_SEAL, good_checkpoints, is_sealed, seal_checkpoint
 from reprotune.invoices import generate
 from reprotune.manifest import sha256_tree
-from reprotune.train import CHECKPOINT_SEAL, good_checkpoints, is_sealed, seal_checkpoint
 
 from .conftest import REPO, TINY_TRAIN, write_jsonl
 

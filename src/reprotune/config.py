@@ -194,3 +194,8 @@ if __name__ == "__main__":
 def every_n_layers(cfg: DictConfig) -> int:
     """train.activation_checkpointing_kwargs.every_n_layers (transformers' knob), 1 when unset."""
     return int((cfg.train.get("activation_checkpointing_kwargs") or {}).get("every_n_layers", 1))
+
+
+def plain(node: Any) -> dict[str, Any]:
+    """A config node (or a mapping) as a plain dict, interpolations resolved."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)

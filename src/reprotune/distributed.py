@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune.errors import ReprotuneError
+from reprotune.runtime import local_rank
 
 log = logging.getLogger("reprotune.distributed")
 
@@ -40,7 +41,7 @@ class World:
 def world() -> World:
     """This process's place, as torchrun sets it (one process without it)."""
     return World(rank=int(os.environ.get("RANK", 0)), size=int(os.environ.get("WORLD_SIZE", 1)),
-                 local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+                 local_rank=local_rank())
 
 
 def barrier() -> None:
@@ -99,11 +100,10 @@ def strategy(cfg: DictConfig, size: int) -> str:
     return "ddp" if chosen in (None, "auto") else str(chosen)
 
 
-def trainer_arguments(cfg: DictConfig, size: int) -> dict[str, Any]:
-    """SFTConfig keys for the strategy (the Trainer and accelerate implement both)."""
+def trainer_arguments(cfg: DictConfig, chosen: str) -> dict[str, Any]:
+    """SFTConfig keys for the strategy (`strategy`'s answer; the Trainer and accelerate implement both)."""
     from omegaconf import OmegaConf
 
-    chosen = strategy(cfg, size)
     if chosen == "fsdp2":
         fsdp_config = OmegaConf.to_container(cfg.hardware.fsdp_config, resolve=True)
         return {"fsdp": "full_shard auto_wrap", "fsdp_config": fsdp_config}

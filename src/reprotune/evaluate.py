@@ -38,7 +38,7 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text, fresh_dir, iter_jsonl, jsonl_text, replace_all, save_figure
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
-from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
+from reprotune.runtime import attention, resolve_device, resolve_dtype, set_reproducibility
 
 log = logging.getLogger("reprotune.evaluate")
 
@@ -113,7 +113,7 @@ def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     # the adapter directory carries the exact tokenizer and chat template the adapter was trained with
     tokenizer = load_tokenizer(adapter_dir)
-    base = load_base_model(model_dir, cfg, device, dtype)
+    base = load_base_model(model_dir, cfg, device, dtype, attention(cfg, packing=False, device=device))
     if not quantization(cfg):
         base = base.to(device)
     model = PeftModel.from_pretrained(base, adapter_dir)
@@ -502,9 +502,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     out_dir = Path(cfg.paths.eval_dir)
     root = Path(cfg.paths.root)
-    record = mf.base_manifest("eval", OmegaConf.to_container(cfg, resolve=True))
-    record.update({
-        "manifest_path": os.path.relpath(out_dir / "manifest.json", root),
+    record = mf.stage_record("eval", cfg, out_dir / "manifest.json", **{
         "seeds": {"seed": int(cfg.seed), "repro": cfg.repro},
         "device": device,
         "dtype": dtype,

@@ -21,12 +21,13 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from reprotune.errors import ReprotuneError
+from reprotune.io import scan_utf8, text_lf, text_lines
 
 FORMATS = ("chat", "chat_json", "sharegpt", "alpaca", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -70,6 +71,8 @@ class FileResult:
     total_problems: int = 0
     extra_keys: Counter = field(default_factory=Counter)  # key (messages[].key for per-message keys) -> count
     rejected: list[dict] = field(default_factory=list)  # data.on_invalid=skip: {file, line, reason}
+    count: int = 0  # valid records (in `records`, or handed to read_file's sink)
+    sha256: str = ""  # of the file's bytes
 
 
 @dataclass
@@ -121,29 +124,11 @@ def _type_name(value: Any) -> str:
             bool: "a boolean", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _decode(path: Path, problems: _Problems) -> str | None:
-    """File bytes as text: UTF-8, a leading BOM and CRLF tolerated; invalid bytes reported by line."""
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        for number, line in enumerate(raw.split(b"\n"), start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                problems.add(number, "encoding", f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column "
-                                                 f"{err.start + 1}); save the file as UTF-8", record=False)
-        return None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
 TOO_DEEP = "nested too deeply to parse (arrays/objects more than about 1,000 levels deep); flatten the record"
 
 
-def _iter_jsonl(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
-    for number, line in enumerate(text.split("\n"), start=1):
+def _iter_jsonl(lines: Iterable[str], problems: _Problems) -> Iterator[tuple[int, Any]]:
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue  # blank lines are harmless
         try:
@@ -510,26 +495,38 @@ def _mismatch_line(forced: str, fmt: str, count: int, total: int, first: int, ke
             f"set data.format={fmt} or data.format=auto")
 
 
-def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_invalid: str = "error") -> FileResult:
-    """Read, validate and convert one file; problems are collected in the result, never raised."""
+def _first_character(path: Path) -> str:
+    """The file's first non-blank character ("" for a blank file): "[" makes it a JSON array."""
+    return next((line.lstrip()[0] for line in text_lines(path) if line.strip()), "")
+
+
+Sink = Callable[[Record], None]
+
+
+def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_invalid: str = "error",
+              sink: Sink | None = None) -> FileResult:
+    """Read, validate and convert one file; problems are collected in the result, never raised. With a sink,
+    each valid record goes to it as it is read instead of into `records` (prepare keeps ~20 bytes of each)."""
     problems = _Problems(str(path))
     reader = _Reader(problems, extra_keys)
-    text = _decode(path, problems)
-    stripped = (text or "").lstrip()
-    container = "json_array" if stripped.startswith("[") or forced == "chat_json" else "jsonl"
-    result = FileResult(path=str(path), container=container, format=None if forced == "auto" else forced)
-    if text is not None and not stripped:
+    utf8, sha256 = scan_utf8(path, problems.add)
+    first = _first_character(path) if utf8 else ""
+    container = "json_array" if first == "[" or forced == "chat_json" else "jsonl"
+    result = FileResult(path=str(path), container=container, format=None if forced == "auto" else forced,
+                        sha256=sha256)
+    if utf8 and not first:
         problems.add(1, "file", "empty file (no examples)", record=False)
-    if text is None or not stripped:
+    if not utf8 or not first:
         return _finish(result, problems, reader, on_invalid)
-    if forced == "chat_json" and not stripped.startswith("["):
+    if forced == "chat_json" and first != "[":
         problems.add(1, "(top level)", "data.format=chat_json expects a JSON array of examples", record=False)
         return _finish(result, problems, reader, on_invalid)
     record_format = {"auto": None, "chat_json": "chat"}.get(forced, forced)
     first_line_of_format = 0
     mismatched: Counter = Counter()
     first_mismatch: dict[str, tuple[int, list[str]]] = {}
-    rows = _iter_json_array(text, problems) if container == "json_array" else _iter_jsonl(text, problems)
+    rows = (_iter_json_array(text_lf(path), problems) if container == "json_array"
+            else _iter_jsonl(text_lines(path), problems))
     n_rows = 0
     for line, record in rows:
         n_rows += 1
@@ -553,7 +550,8 @@ def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_inv
             continue
         converted = to_record(record, fmt, line, str(path), reader)
         if converted is not None:
-            result.records.append(converted)
+            (sink or result.records.append)(converted)
+            result.count += 1
     for fmt, count in mismatched.most_common():
         first, keys = first_mismatch[fmt]
         problems.add(*_mismatch_line(forced, fmt, count, n_rows, first, keys), record=False)
@@ -581,15 +579,16 @@ def _finish(result: FileResult, problems: _Problems, reader: _Reader, on_invalid
 
 
 def read_dataset(path: Path, forced: str = "auto", extra_keys: str = "drop",
-                 on_invalid: str = "error") -> list[FileResult]:
-    """Every file under data.path, read and validated; raises ReprotuneError with all problems of all files."""
+                 on_invalid: str = "error", sink: Sink | None = None) -> list[FileResult]:
+    """Every file under data.path, read and validated; raises ReprotuneError with all problems of all files
+    (after every record was read: a sink has then seen the valid ones of every file, in order)."""
     if forced not in ("auto", *FORMATS):
         raise ReprotuneError([f"{path}:0: data.format: unknown format {forced!r} (auto, {', '.join(FORMATS)})"])
     if extra_keys not in EXTRA_KEYS:
         raise ReprotuneError([f"{path}:0: data.extra_keys: unknown policy {extra_keys!r} ({', '.join(EXTRA_KEYS)})"])
     if on_invalid not in ON_INVALID:
         raise ReprotuneError([f"{path}:0: data.on_invalid: unknown policy {on_invalid!r} ({', '.join(ON_INVALID)})"])
-    results = [read_file(p, forced, extra_keys, on_invalid) for p in list_input_files(path)]
+    results = [read_file(p, forced, extra_keys, on_invalid, sink) for p in list_input_files(path)]
     problems = [line for r in results for line in r.problems]
     if problems:
         raise ReprotuneError(problems, total=sum(r.total_problems for r in results))

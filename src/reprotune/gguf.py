@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from reprotune import llamacpp
 from reprotune import modelfile as mfile
@@ -361,9 +361,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
 
     root = Path(cfg.paths.root)
     manifest_path = Path(cfg.paths.export_dir) / "gguf_manifest.json"
-    record = mf.base_manifest("gguf", OmegaConf.to_container(cfg, resolve=True))
-    record.update({
-        "manifest_path": os.path.relpath(manifest_path, root),
+    record = mf.stage_record("gguf", cfg, manifest_path, **{
         "seeds": {"seed": int(cfg.seed)},
         "llama_cpp": {"llama_cpp_python": llamacpp.version(), "source": str(src),
                       "system_info": llamacpp.system_info(),

@@ -259,6 +259,16 @@ def base_manifest(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def stage_record(stage: str, cfg: Any, manifest_path: Path, **sections: Any) -> dict[str, Any]:
+    """Every stage's manifest: the provenance of base_manifest (the whole config, git, code, lock, packages,
+    runtime, hardware), where the manifest lives (relative to paths.root), and the stage's own sections."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    return {**base_manifest(stage, config), "manifest_path": os.path.relpath(manifest_path, Path(cfg.paths.root)),
+            **sections}
+
+
 def _installed(name: str) -> bool:
     try:
         metadata.version(name)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
@@ -180,9 +179,7 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
 
     root = Path(cfg.paths.root)
     manifest_path = Path(cfg.paths.export_dir) / "merge_manifest.json"
-    record = mf.base_manifest("merge", OmegaConf.to_container(cfg, resolve=True))
-    record.update({
-        "manifest_path": os.path.relpath(manifest_path, root),
+    record = mf.stage_record("merge", cfg, manifest_path, **{
         "seeds": {"seed": int(cfg.seed)},
         "inputs": {"adapter": mf.path_record(adapter_dir, root),
                    "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from reprotune.config import plain
 from reprotune.errors import ReprotuneError
 from reprotune.io import fresh_dir, install_dir_once
 from reprotune.manifest import sha256_file
@@ -215,21 +216,19 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
     source = model_cfg.source
     if source == "builtin":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download for the built-in model
+<<<<<<< HEAD
         return str(materialise_builtin(_plain(model_cfg.builtin), cache, str(model_cfg.name)))
+=======
+        return str(materialise_builtin(plain(model_cfg.builtin), cache))
+>>>>>>> main
     if source == "random_init":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return str(materialise_random_init(_plain(model_cfg.random_init), cache, str(model_cfg.name)))
+        return str(materialise_random_init(plain(model_cfg.random_init), cache, str(model_cfg.name)))
     if source in ("hub", "local"):
         if model_cfg.path is None:
             raise ReprotuneError(f"model '{model_cfg.name}': set model.path to a hub id or a local directory")
         return str(model_cfg.path)
     raise ReprotuneError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
-
-
-def _plain(node: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 # ------------------------------------------------------------------------------------ stable base identity
@@ -242,7 +241,7 @@ def base_identity(model_cfg: Any) -> tuple[str, str | None]:
     if source == "builtin":
         return f"builtin:{model_cfg.name}@{model_cfg.builtin.sha256}", None
     if source == "random_init":
-        return f"random_init:{model_cfg.name}@{random_init_key(_plain(model_cfg.random_init))}", None
+        return f"random_init:{model_cfg.name}@{random_init_key(plain(model_cfg.random_init))}", None
     if source == "hub":
         return _hub_id(model_cfg), (str(model_cfg.revision) if model_cfg.revision else None)
     if source == "local":
@@ -346,19 +345,17 @@ def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
     return tokenizer
 
 
-def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None = None
-                    ) -> Any:
+def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None) -> Any:
     """The base model to train or evaluate: in `dtype`, or quantised by bitsandbytes (method.quantization: QLoRA).
-    attn_implementation None: eager under repro=strict, else the library's choice."""
+    attn_implementation: reprotune.runtime.attention's choice (None: the library's)."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from reprotune.config import quantization
-    from reprotune.runtime import attention_implementation, local_rank
+    from reprotune.runtime import local_rank
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "revision": cfg.model.revision,
                               "trust_remote_code": cfg.model.trust_remote_code}
-    attn_implementation = attn_implementation or attention_implementation(cfg)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     quant = quantization(cfg)

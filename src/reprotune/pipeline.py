@@ -4,7 +4,9 @@
     python -m reprotune.pipeline            # == make dvc-yaml: rewrite dvc.yaml
     python -m reprotune.pipeline --check    # exit 1 when dvc.yaml is stale (tests/test_pipeline.py runs it)
 
-Hand-kept here (STAGES): each stage's module, its data deps and outs, and the non-Python files it reads.
+Hand-kept here (STAGES, the one stage registry: dvc.yaml, `make help` and tests/test_structure.py read it):
+each stage's module, its make target, its data deps and outs, and the non-Python files it reads; the stages run by
+make alone (plan, serve, publish, verify) are in it too, marked dvc=False.
 Derived: everything else. Params follow the calls from the stage's main() through the project's functions
 (a module imported for one helper does not add the params of the rest of it). A config read is an attribute chain on a variable named `cfg` (`cfg.train.max_steps`,
 `cfg.export.get("threads")`); a chain that stops early (`t = cfg.train`, `f(cfg.model)`) counts as reading that
@@ -35,12 +37,16 @@ NOT_PARAMS = ("paths",)
 # metrics files hold numbers only (what 'dvc metrics show/diff' print); reports and provenance are outs
 @dataclass
 class Stage:
-    module: str
+    module: str                         # python -m reprotune.<module> does the stage's work
     desc: str
-    deps: list[str]                     # data and non-Python files the stage reads (code deps are derived)
-    outs: list[str]
+    deps: list[str] = field(default_factory=list)  # data and non-Python files it reads (code deps are derived)
+    outs: list[str] = field(default_factory=list)
     metrics: list[str] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)
+    command: str | None = None          # the module DVC runs when not `module` (train: the torchrun launcher)
+    dvc: bool = True                    # a stage of dvc.yaml; False: run by its make target only
+
+
 
 
 LOCKS = ["lockfiles/cpu.txt", "lockfiles/cuda.txt"]
@@ -58,10 +64,11 @@ STAGES: dict[str, Stage] = {
                      ["data/prepared/metrics.json"],
                      ["data/prepared/lengths.png"]),
     # the launcher (torchrun for NPROC>1) runs reprotune.train in each process: NPROC etc. come from the environment
-    "train": Stage("distributed", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",
+    "train": Stage("train", "Fine-tune (LoRA/QLoRA/DoRA) -> outputs/adapter",
                    ["data/prepared/train.jsonl", "conf/chat_templates", *LOCKS],
-                   ["outputs/adapter", "outputs/train/manifest.json", "outputs/train/loss_curves.json"],
-                   ["outputs/train/metrics.json"], ["outputs/train/loss.png"]),
+                   ["outputs/adapter", "outputs/train/manifest.json", "outputs/train/loss_curves.json",
+                    "outputs/train/plan.json"],  # the preflight's decision (on a GPU with its memory plan)
+                   ["outputs/train/metrics.json"], ["outputs/train/loss.png"], command="distributed"),
     "eval": Stage("evaluate", "Base vs fine-tuned on the holdout -> outputs/eval",
                   ["data/prepared/holdout.jsonl", "outputs/adapter", *LOCKS],
                   ["outputs/eval/predictions.jsonl", "outputs/eval/report.md", "outputs/eval/manifest.json"],
@@ -72,7 +79,14 @@ STAGES: dict[str, Stage] = {
     "gguf": Stage("gguf", "Convert to GGUF, quantize, check parity with the HF model -> outputs/gguf",
                   ["outputs/merged", "data/prepared/holdout.jsonl", "data/prepared/train.jsonl", *LOCKS, *LLAMA_CPP],
                   ["outputs/gguf", "outputs/export/gguf_manifest.json"]),
+    # run by make alone: a what-if before renting a GPU, a server, an upload, a re-run that compares bytes
+    "plan": Stage("plan", "Memory, time and cost of a train run before renting a GPU -> outputs/plan.json",
+                  outs=["outputs/plan.json"], dvc=False),
+    "serve": Stage("serve", "OpenAI-compatible server on the GGUF (llama.cpp)", dvc=False),
+    "publish": Stage("publish", "Opt-in: push adapter/merged to the HF Hub (dry run by default)", dvc=False),
+    "verify": Stage("verify", "Re-run a recorded run in a temp dir and compare bytes", dvc=False),
 }
+DVC_STAGES = {name: st for name, st in STAGES.items() if st.dvc}
 
 
 # ------------------------------------------------------------------------------------------ import graph
@@ -261,12 +275,13 @@ def persisted(paths: list[str]) -> list[dict[str, dict[str, bool]]]:
 
 def build(config: dict) -> dict[str, Any]:
     stages: dict[str, Any] = {}
-    for name, st in STAGES.items():
+    for name, st in DVC_STAGES.items():
+        run = st.command or st.module
         entry: dict[str, Any] = {
             "desc": st.desc,
-            "cmd": f"python -m {PACKAGE}.{st.module} {HYDRA_ARGS}",
-            "deps": [*st.deps, *code_deps(st.module)],
-            "params": stage_params(st.module, config),
+            "cmd": f"python -m {PACKAGE}.{run} {HYDRA_ARGS}",
+            "deps": [*st.deps, *code_deps(run)],
+            "params": stage_params(run, config),
             "outs": persisted(st.outs),
         }
         if st.metrics:
@@ -289,7 +304,15 @@ def default_config() -> dict:
     return OmegaConf.to_container(compose([]), resolve=False)
 
 
+def stage_lines() -> list[str]:
+    """The registry as `make help` prints it: make target, what it does, whether DVC runs it."""
+    return [f"  {name:<14} {st.desc}{'' if st.dvc else '  (make only, not in dvc.yaml)'}" for name, st in STAGES.items()]
+
+
 def main(argv: list[str]) -> int:
+    if "--stages" in argv:
+        print("stages (reprotune.pipeline.STAGES):\n" + "\n".join(stage_lines()))
+        return 0
     text = render(default_config())
     if "--check" in argv:
         if DVC_YAML.read_text() != text:

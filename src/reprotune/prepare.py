@@ -16,19 +16,24 @@ input); drop exact duplicates; assign each example to train or holdout by a hash
 appending data never moves an old example); scrub PII with consistent fakes (reprotune.pii); measure token
 lengths with the model's tokenizer and chat template and apply the over-length policy; report
 near-duplicates across the split; write every output to a temporary file and rename them all at the end.
+
+Memory stays proportional to the data without holding it (#22): files are read line by line, each valid
+record is kept as its JSON line in a spool file under `<paths.prepared>.work/` (io.Spool: 8 bytes of offset
+in memory per example), and the stages after reading go through the spool in batches of LENGTH_BATCH.
+Scrubbing is the exception: reprotune.pii looks at every text of the dataset at once (a value found in one
+example is replaced in all), so with data.scrub=true the conversations are in memory while it runs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
-import statistics
+import shutil
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
+from array import array
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +43,18 @@ from omegaconf import DictConfig
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.formats import Record, read_dataset
-from reprotune.io import content_key, key_fraction, replace_all
+from reprotune.io import Spool, content_key, fresh_dir, key_fraction, replace_all
+from reprotune.prepare_report import (
+    AtLeast,
+    distribution,
+    near_duplicates,
+    overlong_summary,
+    plot_lengths,
+    prepare_metrics,
+    print_table,
+    rejected_bytes,
+    shingles,
+)
 
 QUOTED = re.compile(r'"[^"]*"')
 # a template renders tools if these names come out of it (a template that ignores tools= drops them silently)
@@ -75,17 +91,39 @@ def in_holdout(example: dict, fraction: float) -> bool:
     return key_fraction(example_key(example)) < fraction
 
 
-def drop_duplicates(records: list[Record]) -> tuple[list[Record], int]:
-    seen, kept = set(), []
-    for record in records:
+class Intake:
+    """The sink of read_dataset: each record read is kept once (exact duplicates dropped), as its JSON line in a
+    spool, with its split, file and line; the record itself is let go (#22: ~0.8 kB each when all were held)."""
+
+    def __init__(self, spool: Spool, holdout_fraction: float) -> None:
+        self.spool, self.fraction = spool, holdout_fraction
+        self.seen: set[bytes] = set()  # 128 bits of each key: a collision among 10^9 examples is ~10^-21
+        self.duplicates = 0
+        self.holdout = bytearray()
+        self.lines, self.files = array("q"), array("l")
+        self.paths: list[str] = []
+        self._file_index: dict[str, int] = {}
+        self.needs = [0, 0, 0]  # template_needs, summed over the examples kept
+
+    def __call__(self, record: Record) -> None:
         key = example_key({"messages": record.messages, "tools": record.tools})
-        if key not in seen:
-            seen.add(key)
-            kept.append(record)
-    return kept, len(records) - len(kept)
+        digest = bytes.fromhex(key[:32])
+        if digest in self.seen:
+            self.duplicates += 1
+            return
+        self.seen.add(digest)
+        self.holdout.append(key_fraction(key) < self.fraction)
+        self.lines.append(record.line)
+        if record.file not in self._file_index:
+            self._file_index[record.file] = len(self.paths)
+            self.paths.append(record.file)
+        self.files.append(self._file_index[record.file])
+        self.spool.append(example_line(record.messages, record.tools))
+        self.needs = [n + need for n, need in zip(self.needs, template_needs(record.messages, record.tools),
+                                                  strict=True)]
 
-
-# --- scrubbing -----------------------------------------------------------------------------------------------
+    def where(self, index: int, root: Path) -> str:
+        return f"{relative(self.paths[self.files[index]], root)}:{self.lines[index]}"
 
 
 # --- token lengths -------------------------------------------------------------------------------------------
@@ -102,10 +140,6 @@ def load_tokenizer(cfg: DictConfig) -> Any:
 # conversations rendered and tokenized at a time: the fast tokenizer keeps an Encoding (ids, offsets, masks)
 # per text of a batch, so one batch of the whole dataset cost ~5 kB per example (525 MB at 100k short lines)
 LENGTH_BATCH = 1024
-
-
-class AtLeast(int):
-    """A token count known only as a lower bound (the cheap character check; see token_lengths)."""
 
 
 def longest_token(tokenizer: Any) -> int:
@@ -227,14 +261,19 @@ def masks_weight_zero(tokenizer: Any, template: str) -> bool:
     return "learned reply" in learned and "skipped" not in learned
 
 
-def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[dict]], tools: list) -> None:
+def template_needs(conv: list[dict], tools: list | None) -> tuple[bool, bool, bool]:
+    """What of an example only some templates render: (tools, a tool turn answering a plain-text invocation
+    (an agent trace), weight-0 replies). Scrubbing never changes it (only texts), so it is counted as read."""
+    plain = plain_tool_turns(conv) and not tools and not any(m.get("tool_calls") for m in conv)
+    uses_tools = bool(tools or any(m.get("tool_calls") or m["role"] == "tool" for m in conv)) and not plain
+    return uses_tools, plain, any(m.get("weight") == 0 for m in conv)
+
+
+def check_templates(cfg: DictConfig, tokenizer: Any, needs: list[int]) -> None:
     """Tools and per-message weights need templates that honour them: say so before anything is written,
-    instead of training on conversations whose tools were silently left out."""
-    n_plain = sum(1 for conv, t in zip(conversations, tools, strict=True)
-                  if plain_tool_turns(conv) and not t and not any(m.get("tool_calls") for m in conv))
-    n_tools = sum(1 for conv, t in zip(conversations, tools, strict=True)
-                  if t or any(m.get("tool_calls") or m["role"] == "tool" for m in conv)) - n_plain
-    n_weight = sum(1 for conv in conversations if any(m.get("weight") == 0 for m in conv))
+    instead of training on conversations whose tools were silently left out. `needs`: template_needs, summed
+    over the examples."""
+    n_tools, n_plain, n_weight = needs
     if not n_tools and not n_weight and not n_plain:
         return
     model = cfg.model
@@ -271,146 +310,6 @@ def check_templates(cfg: DictConfig, tokenizer: Any, conversations: list[list[di
         raise ReprotuneError(problems)
 
 
-def overlong_summary(lengths: list[int], overlong: Counter, n_examples: int, max_length: int) -> str | None:
-    """More than 5% dropped for length is rarely what the user wants: say how many, how long, and the fixes."""
-    if not n_examples or overlong["dropped"] <= 0.05 * n_examples:
-        return None
-    ordered = sorted(lengths)
-    p95, p99 = (ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.95, 0.99))
-    if isinstance(p99, AtLeast):  # the cheap character check counted it: only a bound is known
-        return (f"prepare: {overlong['dropped']} of {n_examples} examples "
-                f"({100 * overlong['dropped'] / n_examples:.0f}%) dropped as longer than data.max_length="
-                f"{max_length} tokens (p99 at least {p99}, not tokenized); data.overlong=truncate cuts the last "
-                f"reply to fit")
-    return (f"prepare: {overlong['dropped']} of {n_examples} examples ({100 * overlong['dropped'] / n_examples:.0f}%) "
-            f"dropped as longer than data.max_length={max_length} tokens (p95 {p95}, p99 {p99}); keep them with "
-            f"data.max_length={p99} (or {p95}), or data.overlong=truncate (cuts the last reply to fit)")
-
-
-def rejected_bytes(rejected: list[dict]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejected).encode()
-
-
-# --- near-duplicates across the split ------------------------------------------------------------------------
-
-
-def shingles(messages: list[dict], n: int = 3) -> frozenset[int]:
-    """Word n-grams of the non-system turns (a shared system prompt says nothing about duplication), each kept
-    as its hash: a third of the memory of the strings for every record, and the same Jaccard similarities
-    (a 64-bit collision among one record's shingles is vanishingly rare)."""
-    words = " ".join(m["content"] for m in messages if m["role"] != "system").lower().split()
-    return frozenset(hash(" ".join(words[i:i + n])) for i in range(max(len(words) - n + 1, 1)))
-
-
-def near_duplicates(train: list[int], holdout: list[int], shingles_of: Callable[[int], frozenset],
-                    threshold: float, max_listed: int = 20) -> dict[str, Any]:
-    """Holdout examples whose Jaccard similarity to some train example is >= threshold (they leak the answer).
-
-    Candidates come from an inverted index over shingles, leaving out shingles common to >10% of the
-    train set (templates), so the cost grows with the data, not with its square. Memory grows with the
-    holdout side: the index keeps only shingles some holdout example has (no other key is ever looked up),
-    and a train example's shingles are computed again only when it is among the 50 best candidates, never
-    held for the whole train set. `shingles_of(i)` gives example i's shingles.
-    """
-    held = {i: shingles_of(i) for i in holdout}
-    wanted = set().union(*held.values()) if held else set()
-    index: dict[int, list[int]] = defaultdict(list)
-    for i in train:
-        for s in shingles_of(i):
-            if s in wanted:
-                index[s].append(i)
-    del wanted
-    common = max(10, len(train) // 10)
-    shortlist = {}
-    for where, sh in held.items():
-        candidates = Counter(i for s in sh if len(index.get(s, ())) <= common for i in index.get(s, ()))
-        shortlist[where] = [i for i, _ in candidates.most_common(50)]
-    del index
-    needed = sorted({i for ids in shortlist.values() for i in ids})
-    train_shingles = {i: shingles_of(i) for i in needed}
-    pairs = []
-    for where, sh in held.items():
-        best, best_where = 0.0, None
-        for i in shortlist[where]:
-            other = train_shingles[i]
-            similarity = len(sh & other) / len(sh | other)
-            if similarity > best:
-                best, best_where = similarity, i
-        if best >= threshold:
-            pairs.append({"holdout": where, "train": best_where, "similarity": round(best, 3)})
-    return {"threshold": threshold, "count": len(pairs), "pairs": pairs[:max_listed]}
-
-
-# --- report --------------------------------------------------------------------------------------------------
-
-
-def distribution(values: list[int]) -> dict[str, float]:
-    if not values:
-        return {"n": 0}
-    ordered = sorted(values)
-
-    def pct(p: float) -> int:
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-    return {"n": len(values), "min": ordered[0], "mean": round(statistics.fmean(values), 1), "p50": pct(0.5),
-            "p90": pct(0.9), "p99": pct(0.99), "max": ordered[-1], "total": sum(values)}
-
-
-def prepare_metrics(report: dict[str, Any], pii_report: dict[str, Any]) -> dict[str, Any]:
-    """metrics.json: the numbers of report.json and pii_report.json worth comparing between two versions of the
-    data (DVC's metrics file), few enough for 'dvc metrics show' to read as a table; names, policies, package
-    versions, role counts, per-entity PII counts and the near-duplicate pairs stay in the reports."""
-    examples = report["examples"]
-    out: dict[str, Any] = {
-        "examples": {k: examples[k] for k in ("read", "duplicates_dropped", "train", "holdout", "rejected",
-                                              "with_tools")},
-        "overlong": {k: examples["overlong"][k] for k in ("count", "dropped", "truncated")},
-        "tokens": {split: {k: v for k, v in report["tokens"][split].items() if k in ("mean", "p50", "p90", "max",
-                                                                                    "total")}
-                   for split in ("train", "holdout")},
-        "near_duplicates": report["near_duplicates"]["count"],
-    }
-    if "entities" in pii_report:  # data.scrub=false: nothing was looked for, so nothing to count
-        out["pii"] = {"examples_changed": pii_report["examples_changed"], "replacements": pii_report["total_replacements"]}
-    return out
-
-
-def plot_lengths(train: list[int], holdout: list[int], max_length: int, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    top = max([*train, *holdout, max_length])
-    bins = list(range(0, top + max(top // 40, 1), max(top // 40, 1)))
-    ax.hist([train, holdout], bins=bins, stacked=True, label=[f"train ({len(train)})", f"holdout ({len(holdout)})"])
-    ax.axvline(max_length, color="red", linestyle="--", label=f"max_length {max_length}")
-    ax.set_xlabel("tokens per example (chat template applied)")
-    ax.set_ylabel("examples")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100, metadata={"Software": None})  # no version stamp: same data, same bytes
-    plt.close(fig)
-
-
-def print_table(report: dict[str, Any], pii: dict[str, Any]) -> None:
-    ex, tok = report["examples"], report["tokens"]
-    rows = [("examples read", ex["read"]), ("duplicates dropped", ex["duplicates_dropped"]),
-            (f"over max_length {report['max_length']} ({ex['overlong']['policy']})",
-             f"{ex['overlong']['count']} ({ex['overlong']['dropped']} dropped, {ex['overlong']['truncated']} truncated)"),
-            ("train / holdout", f"{ex['train']} / {ex['holdout']}"),
-            ("tokens p50 / p90 / max", f"{tok['train'].get('p50', '-')} / {tok['train'].get('p90', '-')} / "
-                                       f"{max(tok['train'].get('max', 0), tok['holdout'].get('max', 0))}"),
-            ("roles", ", ".join(f"{k} {v}" for k, v in report["roles"].items())),
-            ("near-duplicates train~holdout", report["near_duplicates"]["count"]),
-            ("PII replaced", ", ".join(f"{k} {v['replacements']}" for k, v in pii.get("entities", {}).items()
-                                       if v["replacements"])
-             or ("none found" if pii["scrub"] else "scrubbing off (data.scrub=false)"))]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
-
-
 def relative(path: str, root: Path) -> str:
     try:
         return str(Path(path).resolve().relative_to(root.resolve()))
@@ -421,11 +320,11 @@ def relative(path: str, root: Path) -> str:
 # --- output --------------------------------------------------------------------------------------------------
 
 
-def jsonl_bytes(conversations: list[list[dict]], tools: list[list | None] | None = None) -> bytes:
-    """One {"messages": [...]} per line, plus "tools" where the example has them (TRL renders them)."""
-    tools = tools or [None] * len(conversations)
-    return "".join(json.dumps({"messages": c, **({"tools": t} if t else {})}, ensure_ascii=False) + "\n"
-                   for c, t in zip(conversations, tools, strict=True)).encode()
+def example_line(messages: list[dict], tools: list | None = None) -> bytes:
+    """One line of train.jsonl / holdout.jsonl: {"messages": [...]}, plus "tools" where the example has them
+    (TRL renders them)."""
+    return (json.dumps({"messages": messages, **({"tools": tools} if tools else {})}, ensure_ascii=False)
+            + "\n").encode()
 
 
 # --- the stage -----------------------------------------------------------------------------------------------
@@ -433,14 +332,10 @@ def jsonl_bytes(conversations: list[list[dict]], tools: list[list | None] | None
 
 def write_manifest(cfg: DictConfig, out: Path) -> None:
     """Inputs and outputs with their hashes, so 'make verify' can re-run and compare this stage."""
-    from omegaconf import OmegaConf
-
     from reprotune import manifest as mf
 
     root = Path(cfg.paths.root)
-    record = mf.base_manifest("prepare", OmegaConf.to_container(cfg, resolve=True))
-    record.update({
-        "manifest_path": os.path.relpath(out / "manifest.json", root),
+    record = mf.stage_record("prepare", cfg, out / "manifest.json", **{
         "inputs": {"raw_data": mf.path_record(Path(cfg.data.path), root)},
         "outputs": {name: mf.path_record(out / file, root) for name, file in
                     (("train", "train.jsonl"), ("holdout", "holdout.jsonl"), ("report", "report.json"),
@@ -450,14 +345,14 @@ def write_manifest(cfg: DictConfig, out: Path) -> None:
     mf.write_json(out / "manifest.json", record)
 
 
-def prepare(cfg: DictConfig) -> dict:
-    started = time.perf_counter()
+def read_into_spool(cfg: DictConfig, root: Path, work: Path) -> tuple[list, Intake, list[dict], Counter]:
+    """Every file of data.path read, validated and kept in a spool once (duplicates dropped); (files, intake,
+    rejected records, extra keys dropped)."""
     data, out = cfg.data, Path(cfg.paths.prepared)
-    root = Path(cfg.paths.root)
-
+    intake = Intake(Spool(work / "read.jsonl"), float(data.holdout_fraction))
     files = read_dataset(Path(data.path), str(data.format), str(data.get("extra_keys", "drop")),
-                         str(data.get("on_invalid", "error")))
-    records = [r for f in files for r in f.records]
+                         str(data.get("on_invalid", "error")), sink=intake)
+    intake.seen.clear()  # dedup is done: its keys are the largest thing left
     extra_keys = sum((f.extra_keys for f in files), Counter())
     if extra_keys:  # said once for the dataset, not per record
         log.warning("dropped unknown keys (data.extra_keys=drop): %s",
@@ -465,59 +360,138 @@ def prepare(cfg: DictConfig) -> dict:
     rejected = [{**r, "file": relative(r["file"], root)} for f in files for r in f.rejected]
     if data.scrub:  # a reason may quote a value from the record (an unknown role): never with scrubbing on
         rejected = [{**r, "reason": QUOTED.sub('"…"', r["reason"])} for r in rejected]
-    if not records:  # every record skipped (or none there): nothing to split, scrub or measure
+    if not len(intake.spool):  # every record skipped (or none there): nothing to split, scrub or measure
         first = f"; the first: {rejected[0]['file']}:{rejected[0]['line']}: {rejected[0]['reason']}" if rejected else ""
         raise ReprotuneError(f"{data.path}:0: data: no valid examples left ({len(rejected)} skipped with "
                              f"data.on_invalid=skip){first}")
     if rejected:
         log.warning("skipped %d invalid record(s) (data.on_invalid=skip): see %s", len(rejected),
                     out / "rejected.jsonl")
-    log.info("read %d examples from %d file(s) (%s)", len(records), len(files),
+    log.info("read %d examples from %d file(s) (%s)", sum(f.count for f in files), len(files),
              ", ".join(sorted({f.format for f in files if f.format})))
-    records, n_duplicates = drop_duplicates(records)
-    holdout_flags = [in_holdout({"messages": r.messages, "tools": r.tools}, float(data.holdout_fraction))
-                     for r in records]
-    tools = [r.tools for r in records]
+    return files, intake, rejected, extra_keys
 
-    if data.scrub:
-        from reprotune.pii import scrub_records  # Presidio and spaCy load only when scrubbing
 
-        conversations, pii_report = scrub_records(records, cfg)
-    else:
-        conversations, pii_report = [r.messages for r in records], {"scrub": False}
-    log.info("PII: %s", {k: v["replacements"] for k, v in pii_report.get("entities", {}).items()} or "none")
+def scrubbed_spool(cfg: DictConfig, intake: Intake, work: Path) -> tuple[Spool, dict[str, Any]]:
+    """The examples with PII replaced (a new spool) and the PII report; the same spool with data.scrub=false."""
+    if not cfg.data.scrub:
+        return intake.spool, {"scrub": False}
+    from reprotune.pii import scrub_records  # Presidio and spaCy load only when scrubbing
 
+    rows = [json.loads(line) for line in intake.spool.lines()]
+    records = [Record(messages=row["messages"], file=intake.paths[intake.files[i]], line=intake.lines[i])
+               for i, row in enumerate(rows)]
+    conversations, pii_report = scrub_records(records, cfg)
+    del records
+    scrubbed = Spool(work / "scrubbed.jsonl")
+    for row, conv in zip(rows, conversations, strict=True):
+        scrubbed.append(example_line(conv, row.get("tools")))
+    return scrubbed, pii_report
+
+
+def batches(spool: Spool, size: int = LENGTH_BATCH) -> Iterator[list[tuple[bytes, dict]]]:
+    """(line, parsed line) of every example of a spool, `size` at a time."""
+    batch = []
+    for line in spool.lines():
+        batch.append((line, json.loads(line)))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class Split:
+    """The examples kept after the length policy, written as they come to the train or holdout file (in the
+    order read), with what the report needs of each; `position[i]` is example i's index in its split's spool
+    (-1: dropped for its length)."""
+
+    def __init__(self, work: Path, holdout: bytearray) -> None:
+        self.train, self.holdout = Spool(work / "train.jsonl"), Spool(work / "holdout.jsonl")
+        self.in_holdout = holdout
+        self.position = array("q")
+        self.lengths: list[int] = []
+        self.overlong: Counter = Counter()
+        self.roles: Counter = Counter()
+        self.with_tools = 0
+
+    def add(self, line: bytes, messages: list[dict] | None, tools: list | None, changed: bool) -> None:
+        if messages is None:
+            self.position.append(-1)
+            return
+        spool = self.holdout if self.in_holdout[len(self.position)] else self.train
+        self.position.append(spool.append(example_line(messages, tools) if changed else line))
+        self.roles.update(m["role"] for m in messages)
+        self.with_tools += bool(tools or any(m.get("tool_calls") for m in messages))
+
+    def indices(self, holdout: bool) -> array:
+        return array("q", (i for i, p in enumerate(self.position) if p >= 0 and self.in_holdout[i] == holdout))
+
+    def messages(self, index: int) -> list[dict]:
+        spool = self.holdout if self.in_holdout[index] else self.train
+        return spool.row(self.position[index])["messages"]
+
+
+def measure_and_split(cfg: DictConfig, examples: Spool, intake: Intake, work: Path) -> Split:
+    """Token lengths and the length policy, a batch at a time; the kept examples written to their split."""
+    data = cfg.data
     tokenizer = load_tokenizer(cfg)
-    check_templates(cfg, tokenizer, conversations, tools)
-    lengths = token_lengths(tokenizer, conversations, tools, int(data.max_length))
-    conversations, lengths, overlong = apply_length_policy(tokenizer, conversations, lengths,
-                                                           int(data.max_length), str(data.overlong), tools)
-    keep = [c is not None for c in conversations]
-    train_idx = [i for i in range(len(records)) if keep[i] and not holdout_flags[i]]
-    holdout_idx = [i for i in range(len(records)) if keep[i] and holdout_flags[i]]
+    check_templates(cfg, tokenizer, intake.needs)
+    split = Split(work, intake.holdout)
+    for batch in batches(examples):
+        conversations = [row["messages"] for _, row in batch]
+        tools = [row.get("tools") for _, row in batch]
+        lengths = token_lengths(tokenizer, conversations, tools, int(data.max_length))
+        kept, lengths, overlong = apply_length_policy(tokenizer, conversations, lengths, int(data.max_length),
+                                                      str(data.overlong), tools)
+        split.lengths += lengths
+        split.overlong.update(overlong)
+        for (line, _), before, after, t in zip(batch, conversations, kept, tools, strict=True):
+            split.add(line, after, t, changed=after is not before)
+    return split
 
-    near = near_duplicates(train_idx, holdout_idx, lambda i: shingles(conversations[i]),
+
+def prepare(cfg: DictConfig) -> dict:
+    started = time.perf_counter()
+    out = Path(cfg.paths.prepared)
+    work = fresh_dir(out, ".work")  # the spools and staged outputs; gone when prepare ends, however it ends
+    try:
+        result = prepare_in(cfg, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("prepared %d train and %d holdout examples in %s (%.1f s)", result["train"], result["holdout"], out,
+             time.perf_counter() - started)
+    return result
+
+
+def prepare_in(cfg: DictConfig, work: Path) -> dict:
+    data, out = cfg.data, Path(cfg.paths.prepared)
+    root = Path(cfg.paths.root)
+    files, intake, rejected, extra_keys = read_into_spool(cfg, root, work)
+    examples, pii_report = scrubbed_spool(cfg, intake, work)
+    log.info("PII: %s", {k: v["replacements"] for k, v in pii_report.get("entities", {}).items()} or "none")
+    split = measure_and_split(cfg, examples, intake, work)
+    lengths, overlong = split.lengths, split.overlong
+    train_idx, holdout_idx = split.indices(holdout=False), split.indices(holdout=True)
+
+    near = near_duplicates(train_idx, holdout_idx, lambda i: shingles(split.messages(i)),
                            float(data.near_duplicate_threshold))
     # file:line only for the pairs listed (a string per record cost ~80 MB per million records)
-    near["pairs"] = [{**pair, "holdout": f"{relative(records[pair['holdout']].file, root)}:"
-                                         f"{records[pair['holdout']].line}",
-                      "train": f"{relative(records[pair['train']].file, root)}:{records[pair['train']].line}"}
+    near["pairs"] = [{**pair, "holdout": intake.where(pair["holdout"], root), "train": intake.where(pair["train"], root)}
                      for pair in near["pairs"]]
-    roles = Counter(m["role"] for i in train_idx + holdout_idx for m in conversations[i])
-    overlong_note = overlong_summary(lengths, overlong, len(records), int(data.max_length))
+    overlong_note = overlong_summary(lengths, overlong, len(examples), int(data.max_length))
     report = {
-        "inputs": [{"file": relative(f.path, root), "format": f.format, "examples": len(f.records),
-                    "sha256": hashlib.sha256(Path(f.path).read_bytes()).hexdigest()} for f in files],
+        "inputs": [{"file": relative(f.path, root), "format": f.format, "examples": f.count, "sha256": f.sha256}
+                   for f in files],
         "holdout_fraction": float(data.holdout_fraction),
         "max_length": int(data.max_length),
         "examples": {
-            "read": len(records) + n_duplicates, "duplicates_dropped": n_duplicates,
+            "read": len(examples) + intake.duplicates, "duplicates_dropped": intake.duplicates,
             "overlong": {"policy": str(data.overlong), "count": overlong["overlong"],
                          "dropped": overlong["dropped"], "truncated": overlong["truncated"]},
             "train": len(train_idx), "holdout": len(holdout_idx),
             "rejected": len(rejected),
-            "with_tools": sum(1 for i in train_idx + holdout_idx if tools[i] or any(
-                m.get("tool_calls") for m in conversations[i])),
+            "with_tools": split.with_tools,
         },
         "extra_keys_dropped": dict(sorted(extra_keys.items())),
         "tokens": {
@@ -526,7 +500,7 @@ def prepare(cfg: DictConfig) -> dict:
             "train": distribution([lengths[i] for i in train_idx]),
             "holdout": distribution([lengths[i] for i in holdout_idx]),
         },
-        "roles": {r: roles[r] for r in ("system", "user", "assistant", "tool") if r != "tool" or roles[r]},
+        "roles": {r: split.roles[r] for r in ("system", "user", "assistant", "tool") if r != "tool" or split.roles[r]},
         "near_duplicates": near,
         "scrub": bool(data.scrub),
     }
@@ -534,12 +508,11 @@ def prepare(cfg: DictConfig) -> dict:
         raise ReprotuneError([f"{data.path}:0: data: no training examples left after dedup, split and length policy "
                          f"({report['examples']})"])
 
-    out.mkdir(parents=True, exist_ok=True)
-    plot_tmp = out / "lengths.png.staging.png"
+    plot_tmp = work / "lengths.png"
     plot_lengths([lengths[i] for i in train_idx], [lengths[i] for i in holdout_idx], int(data.max_length), plot_tmp)
     replace_all({
-        out / "train.jsonl": jsonl_bytes([conversations[i] for i in train_idx], [tools[i] for i in train_idx]),
-        out / "holdout.jsonl": jsonl_bytes([conversations[i] for i in holdout_idx], [tools[i] for i in holdout_idx]),
+        out / "train.jsonl": split.train.close(),
+        out / "holdout.jsonl": split.holdout.close(),
         out / "rejected.jsonl": rejected_bytes(rejected),
         out / "report.json": (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
         out / "pii_report.json": (json.dumps(pii_report, indent=2, sort_keys=True) + "\n").encode(),
@@ -550,8 +523,6 @@ def prepare(cfg: DictConfig) -> dict:
     print_table(report, pii_report)
     if overlong_note:
         print(overlong_note)
-    log.info("prepared %d train and %d holdout examples in %s (%.1f s)", len(train_idx), len(holdout_idx), out,
-             time.perf_counter() - started)
     return {"train": len(train_idx), "holdout": len(holdout_idx), "report": report, "pii": pii_report}
 
 

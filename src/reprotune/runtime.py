@@ -69,6 +69,14 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def attention_implementation(cfg: DictConfig) -> str | None:
-    """repro=strict: eager attention (fused kernels' backward is not deterministic); else the library's choice."""
+def attention(cfg: DictConfig, packing: bool, device: str) -> str | None:
+    """hardware.attn_implementation, or auto: flex attention for packed CUDA runs (it computes only the blocks
+    inside each example); eager under repro=strict (the fused kernels' backward is not deterministic: the measured
+    deterministic path); else None, the library's default (SDPA; on the CPU it takes a packed batch's
+    block-diagonal mask as a dense mask)."""
+    attn = cfg.hardware.get("attn_implementation", "auto")
+    if attn not in (None, "auto"):
+        return str(attn)
+    if packing and device == "cuda":
+        return "flex_attention"
     return "eager" if cfg.repro == "strict" else None

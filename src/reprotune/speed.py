@@ -10,23 +10,21 @@ What `make train` picks on a GPU without being told (hardware=gpu or hardware=au
   never materialised);
 - LoRA's scale and add done inside the adapter's second matrix product (reprotune.fused_lora);
 - activation checkpointing only when the run would not fit in GPU memory without it.
-Each choice can be forced in conf/hardware/ (and train.packing); `choose` records why it chose what it did.
+Each choice can be forced in conf/hardware/ (and train.packing); reprotune.sizing.decide makes them, once, and
+records why. This module holds how those choices run (compile settings) and how fast a run went.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
-from reprotune.config import every_n_layers, quantization
+if TYPE_CHECKING:
+    from reprotune.sizing.decide import RunSettings
 
 log = logging.getLogger("reprotune.speed")
 
@@ -34,82 +32,7 @@ log = logging.getLogger("reprotune.speed")
 H200_BF16_FLOPS = 790e12
 
 
-@dataclass(frozen=True)
-class FastPath:
-    packing: bool
-    attn_implementation: str | None  # None: the model's default (SDPA)
-    liger: bool
-    activation_checkpointing: bool
-    checkpoint_every_n_layers: int  # transformers' every_n_layers: 1 = every decoder layer
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
-    reasons: tuple[str, ...]
-    dynamic_shapes: bool = False  # torch.compile traces symbolic sequence lengths from the first call
-    fused_lora: bool = False  # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
-
-
-    def as_record(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _auto(value: Any) -> bool:
-    return value is None or value == "auto"
-
-
-def liger_available() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-Fit = tuple[int, int, bool, int, str]  # rows per micro-batch, accumulation, checkpointing, every_n_layers, why
-
-
-def choose(cfg: DictConfig, device: str, fitted: Fit | None = None) -> FastPath:
-    """The speed settings of a run, from hardware.* and train.packing ('auto' or null: decided here)."""
-    hw = cfg.hardware
-    fast = device == "cuda" if _auto(hw.get("fast_path", "auto")) else bool(hw.fast_path)
-    reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if device == 'cuda' else device})"]
-
-    packing = fast if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-
-    attn = hw.get("attn_implementation", "auto")
-    if _auto(attn):
-        if cfg.repro == "strict" and not packing:
-            attn = "eager"  # unpacked strict runs keep the measured deterministic path
-        elif packing and device == "cuda":
-            attn = "flex_attention"  # computes only the blocks inside each example
-        else:
-            attn = None  # SDPA; on CPU it takes the block-diagonal mask as a dense mask
-    reasons.append(f"attention={attn or 'sdpa'}")
-
-    liger = hw.get("liger_kernel", "auto")
-    if _auto(liger):
-        liger = fast and device == "cuda" and liger_available()
-        if fast and device == "cuda" and not liger:
-            reasons.append("liger-kernel not installed (pip install liger-kernel): unfused norms/activations")
-    liger = bool(liger)
-
-    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
-    ckpt = hw.gradient_checkpointing
-    every = every_n_layers(cfg)
-    if _auto(ckpt):
-        ckpt = False
-        if device == "cuda" and fitted:
-            rows, accum, ckpt, every, why = fitted
-            reasons.append(why)
-    dynamic = attn == "flex_attention"
-    if dynamic:
-        reasons.append("compile: dynamic shapes from the first call")
-    fused = hw.get("fused_lora", "auto")
-    fused = fast and device == "cuda" if _auto(fused) else bool(fused)
-    if fused:
-        reasons.append("LoRA scale and add fused into B's matrix product")
-    return FastPath(packing=packing, attn_implementation=attn, liger=liger, activation_checkpointing=bool(ckpt),
-                    checkpoint_every_n_layers=every if ckpt else 1, per_device_train_batch_size=rows,
-                    gradient_accumulation_steps=accum, reasons=tuple(reasons), dynamic_shapes=dynamic,
-                    fused_lora=fused)
-
-
-def apply_compile_settings(fast: FastPath) -> None:
+def apply_compile_settings(fast: RunSettings) -> None:
     """Flex attention's block mask and kernels are compiled by torch.compile. Packed micro-batches change length
     every step; by default dynamo first compiles for the static length and recompiles symbolically on the next
     length. On the H200 the static compile of the block mask did not finish in 150 s at 8,800+ tokens per
@@ -118,66 +41,6 @@ def apply_compile_settings(fast: FastPath) -> None:
         import torch._dynamo
 
         torch._dynamo.config.assume_static_by_default = False
-
-
-# ------------------------------------------------------------------------------- memory (interim rule)
-# Until `make plan`'s memory model decides, a rule fitted to H200 runs (8B shape, 4 packed rows of 1,100 tokens):
-# activations kept for the backward, per token and layer, ~(16 h + 4 i) bf16 values unfused and ~(10 h + 2 i)
-# with Liger's fused kernels (QLoRA, no checkpointing: 23.6 GiB allocated with 4.1 GiB of NF4 weights).
-GIB = 2**30
-
-
-def weight_bytes(model_config: Any, four_bit: bool) -> float:
-    c = model_config
-    head_and_embeddings = 2 * c.vocab_size * c.hidden_size
-    linear = matmul_flops_per_token(c) / 2 - c.vocab_size * c.hidden_size
-    return head_and_embeddings * 2 + linear * (0.516 if four_bit else 2.0)  # NF4 + double-quantised scales
-
-
-def estimate_peak_bytes(model_config: Any, tokens: int, four_bit: bool, liger: bool, checkpointing: bool) -> float:
-    c = model_config
-    if checkpointing:  # each layer's input, plus one layer's activations while it is recomputed
-        per_token = c.num_hidden_layers * c.hidden_size * 2 + (16 * c.hidden_size + 4 * c.intermediate_size) * 2
-    else:
-        per_layer = (10 * c.hidden_size + 2 * c.intermediate_size) if liger else (16 * c.hidden_size
-                                                                                 + 4 * c.intermediate_size)
-        per_token = c.num_hidden_layers * per_layer * 2
-    return weight_bytes(c, four_bit) + tokens * per_token + 1.5 * GIB
-
-
-# QLoRA is how a run fits a 24 GB card, so its default plan must: 22 GiB of card (reserved + CUDA context + margin)
-# is a peak of ~20 GiB allocated, and leaves 1.5 GiB of an RTX 4090's 23.5 GiB to a desktop or a second process
-QLORA_BUDGET_GIB = 22.0
-
-
-def memory_budget(cfg: DictConfig, free_bytes: int) -> float:
-    """hardware.memory_budget_gib (what the run may take of the card: reserved + CUDA context), or auto:
-    QLORA_BUDGET_GIB for 4-bit runs, else 90% of the GPU's free memory."""
-    budget = cfg.hardware.get("memory_budget_gib", "auto")
-    if _auto(budget):
-        return QLORA_BUDGET_GIB * GIB if quantization(cfg) else 0.9 * free_bytes
-    return float(budget) * GIB
-
-
-def fit_micro_batch(cfg: DictConfig, model_config: Any, budget: float, liger: bool) -> Fit:
-    """(rows per micro-batch, gradient accumulation, checkpointing, every_n_layers, why), keeping the configured
-    global batch; the rule used when make plan's model does not know the architecture (all layers or none).
-
-    Order measured on the H200 (8B QLoRA, 4 x 1,100-token rows would need 23.6 GiB): checkpointing at the full
-    micro-batch (6,376 tokens/s, 6.4 GiB) beat halving the micro-batch without it (4,985 tokens/s, 14.0 GiB),
-    because each micro-step pays a fixed cost (NF4 dequantisation, kernel launches). Fewer rows come last."""
-    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
-    length, four_bit = int(cfg.train.max_length), bool(quantization(cfg))
-    gib = f"of a {budget / GIB:.1f} GiB budget"
-    need = estimate_peak_bytes(model_config, rows * length, four_bit, liger, checkpointing=False)
-    if need <= budget:
-        return rows, accum, False, 1, f"checkpointing off: ~{need / GIB:.1f} GiB {gib}"
-    for r in [r for r in range(rows, 0, -1) if rows % r == 0]:
-        need = estimate_peak_bytes(model_config, r * length, four_bit, liger, checkpointing=True)
-        if need <= budget or r == 1:
-            smaller = f"; micro-batch {rows} -> {r} rows, accumulation {accum} -> {accum * rows // r}" if r != rows else ""
-            return r, accum * rows // r, True, 1, f"checkpointing on: ~{need / GIB:.1f} GiB {gib}{smaller}"
-    raise AssertionError("unreachable: r == 1 returns")
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -202,7 +65,7 @@ def checkpointed_layers(layers: int, every: int) -> int:
     return math.ceil(layers / max(1, every))
 
 
-def recomputed_share(model_config: Any, fast: FastPath) -> float:
+def recomputed_share(model_config: Any, fast: RunSettings) -> float:
     """The share of decoder layers recomputed in the backward."""
     if not fast.activation_checkpointing:
         return 0.0

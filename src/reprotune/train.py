@@ -5,33 +5,39 @@
 Reads  data/prepared/train.jsonl and the configured base model.
 Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs/train/metrics.json (numbers
        only: DVC's metrics file), outputs/train/loss_curves.json (per-step train/eval loss),
-       outputs/train/loss.png and outputs/train/manifest.json. Checkpoints go to outputs/checkpoints/ and
+       outputs/train/loss.png, outputs/train/plan.json (the preflight's decision) and outputs/train/manifest.json.
+       Checkpoints go to outputs/checkpoints/ and
        an interrupted run resumes from the last one (train.run.resume=auto).
 
-Read top to bottom: settings -> data -> model -> trainer -> train -> save -> report.
+`train` is the recipe, read top to bottom: setup (device, data, tokenizer, the run's settings decided once by
+reprotune.sizing.decide, model, the objective's trainer) -> train -> save -> report. Checkpoint sealing and
+resume are reprotune.checkpoints; the objective (SFT) is `objective`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune import distributed, speed
+from reprotune import checkpoints, distributed, speed
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
-from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
+from reprotune.runtime import resolve_device, set_reproducibility
+from reprotune.sizing.decide import RunSettings, detect
+from reprotune.sizing.preflight import preflight, train_shape
 
 log = logging.getLogger("reprotune.train")
 
@@ -77,25 +83,22 @@ def lora_config(cfg: DictConfig):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: speed.FastPath,
-               world_size: int = 1):
+def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """trl.SFTConfig from the train group as it is, plus the settings reprotune's guarantees rest on, which
     win over the group: where checkpoints go and how they rotate, seeds, precision from hardware, the
     validation split, nothing sent anywhere unless train.report_to asks, and the speed settings fitted by
-    reprotune.speed (micro-batch, accumulation, packing, Liger, checkpointing)."""
+    reprotune.sizing.decide (micro-batch, accumulation, packing, checkpointing, precision, strategy)."""
     from trl import SFTConfig
 
     keys = library_keys(cfg.train, TRAIN_OWN)
-    accum, _ = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
-                                        world_size)
     eval_steps = keys.get("eval_steps") if keys.get("eval_steps") and has_val else None
     report_to = keys.get("report_to")
     keys.update(
         output_dir=cfg.paths.checkpoints,
-        per_device_train_batch_size=fast.per_device_train_batch_size,
-        per_device_eval_batch_size=fast.per_device_train_batch_size,
-        gradient_accumulation_steps=accum,
-        packing=fast.packing,
+        per_device_train_batch_size=run.per_device_train_batch_size,
+        per_device_eval_batch_size=run.per_device_train_batch_size,
+        gradient_accumulation_steps=run.process_accumulation,
+        packing=run.packing,
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
         use_liger_kernel=False,  # Liger is applied by apply_liger (TRL deprecates this switch)
         chat_template_path=cfg.model.training_chat_template,
@@ -106,19 +109,19 @@ def sft_config(cfg: DictConfig, device: str, dtype: str, has_val: bool, fast: sp
         eval_steps=eval_steps,
         seed=int(cfg.seed),
         data_seed=int(cfg.seed),
-        use_cpu=device == "cpu",
-        bf16=dtype == "bfloat16",
-        fp16=dtype == "float16",
-        activation_checkpointing=fast.activation_checkpointing,
-        activation_checkpointing_kwargs=checkpointing_kwargs(keys, fast),
+        use_cpu=run.device == "cpu",
+        bf16=run.dtype == "bfloat16",
+        fp16=run.dtype == "float16",
+        activation_checkpointing=run.activation_checkpointing,
+        activation_checkpointing_kwargs=checkpointing_kwargs(keys, run),
         report_to=[] if report_to in (None, "none") else report_to,
         push_to_hub=False,
         dataloader_num_workers=0,
         dataset_num_proc=None,
         # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)
-        include_num_input_tokens_seen="all" if fast.packing else "non_padding",
+        include_num_input_tokens_seen="all" if run.packing else "non_padding",
         disable_tqdm=False,
-        **distributed.trainer_arguments(cfg, world_size),
+        **distributed.trainer_arguments(cfg, run.strategy),
     )
     return SFTConfig(**keys)
 
@@ -136,141 +139,12 @@ def apply_liger(model, active: bool) -> None:
     apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
-def checkpointing_kwargs(keys: dict[str, Any], fast: speed.FastPath) -> dict[str, Any]:
+def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, Any]:
     """train.activation_checkpointing_kwargs with the fitted every_n_layers (some layers checkpointed, not all)."""
     kwargs = dict(keys.get("activation_checkpointing_kwargs") or {})
-    if fast.activation_checkpointing and fast.checkpoint_every_n_layers > 1:
-        kwargs["every_n_layers"] = fast.checkpoint_every_n_layers
+    if run.activation_checkpointing and run.checkpoint_every_n_layers > 1:
+        kwargs["every_n_layers"] = run.checkpoint_every_n_layers
     return kwargs
-
-
-def config_fingerprint(cfg: DictConfig) -> str:
-    """What a checkpoint must match to be resumed: everything that shapes training (not paths)."""
-    keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "method", "data", "train")}
-    keep["seed"] = cfg.seed
-    keep["repro"] = cfg.repro
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
-# HF Trainer writes checkpoint-N/ file by file; a kill -9 (or a pod eviction) mid-write leaves a torn
-# folder that get_last_checkpoint would happily resume from. We seal each checkpoint once the Trainer has
-# written it: fsync every file, then atomically write a marker listing every file's sha256. Only sealed
-# checkpoints whose files still match their marker are resumed; anything else is removed. Rotation
-# (save_total_limit) is ours too, and runs only after the new checkpoint is sealed, so a crash at any
-# moment leaves at least the previous good checkpoint on disk.
-CHECKPOINT_SEAL = "reprotune-sealed.json"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def seal_checkpoint(folder: Path, step: int) -> None:
-    """Make a fully written checkpoint folder resumable (atomic: the seal appears last, all at once)."""
-    from reprotune.manifest import sha256_tree
-
-    files = sha256_tree(folder, exclude=[CHECKPOINT_SEAL])
-    for rel in files:
-        _fsync(folder / rel)
-    tmp = folder / (CHECKPOINT_SEAL + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
-    _fsync(tmp)
-    os.replace(tmp, folder / CHECKPOINT_SEAL)
-    _fsync(folder)
-
-
-def is_sealed(folder: Path) -> bool:
-    """True when the folder holds a seal and every file it lists is present with the same sha256."""
-    from reprotune.manifest import sha256_file
-
-    seal = folder / CHECKPOINT_SEAL
-    try:
-        files = json.loads(seal.read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        return False
-    return bool(files) and all((folder / rel).is_file() and sha256_file(folder / rel) == digest
-                               for rel, digest in files.items())
-
-
-def _checkpoint_step(folder: Path) -> int:
-    return int(folder.name.rsplit("-", 1)[1]) if folder.name.rsplit("-", 1)[-1].isdigit() else -1
-
-
-def good_checkpoints(ckpt_root: Path, remove_torn: bool = True) -> list[Path]:
-    """Sealed checkpoints, oldest first; torn ones (no seal, or files that changed) are removed."""
-    good = []
-    for folder in sorted(ckpt_root.glob("checkpoint-*"), key=_checkpoint_step):
-        if folder.is_dir() and _checkpoint_step(folder) >= 0 and is_sealed(folder):
-            good.append(folder)
-        elif remove_torn:
-            log.warning("removing torn checkpoint %s (interrupted while being written)", folder)
-            shutil.rmtree(folder, ignore_errors=True)
-    return good
-
-
-def sealing_trainer_class():
-    """SFTTrainer whose checkpoints are sealed (see above) and rotated only after sealing."""
-    from trl import SFTTrainer
-
-    class SealedCheckpointTrainer(SFTTrainer):
-        keep_checkpoints: int | None = None
-
-        def _save_checkpoint(self, model, trial) -> None:
-            super()._save_checkpoint(model, trial)
-            self.accelerator.wait_for_everyone()  # every rank has written its RNG state before rank 0 seals
-            if not self.args.should_save:
-                return
-            ckpt_root = Path(self.args.output_dir)
-            seal_checkpoint(ckpt_root / f"checkpoint-{self.state.global_step}", self.state.global_step)
-            if self.keep_checkpoints:
-                for old in good_checkpoints(ckpt_root)[:-self.keep_checkpoints]:
-                    shutil.rmtree(old, ignore_errors=True)
-
-    return SealedCheckpointTrainer
-
-
-def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True) -> str | None:
-    """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed, by the
-    process that may modify the folder: rank 0 when several train together)."""
-    ckpt_root = Path(cfg.paths.checkpoints)
-    stamp = ckpt_root / "reprotune-run.json"
-    if cfg.train.run.resume == "never" or not ckpt_root.is_dir():
-        if modify:
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-        return None
-    recorded = json.loads(stamp.read_text()).get("fingerprint") if stamp.is_file() else None
-    if recorded != fingerprint:
-        log.info("discarding checkpoints of a different configuration in %s", ckpt_root)
-        if modify:
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-        return None
-    good = good_checkpoints(ckpt_root, remove_torn=modify)
-    if good:
-        log.info("resuming from %s", good[-1])
-        return str(good[-1])
-    return None
-
-
-def choose_fast_path(cfg: DictConfig, device: str, model_dir: str) -> speed.FastPath:
-    """Speed settings (reprotune.speed); on a GPU, micro-batch and checkpointing fitted to the memory budget."""
-    fitted = None
-    if device == "cuda":
-        import torch
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(model_dir, revision=cfg.model.revision,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
-        free, _ = torch.cuda.mem_get_info()
-        liger = speed.choose(cfg, device).liger
-        from reprotune import plan  # make plan's memory model; speed's rule when the plan has no architecture
-        fitted = (plan.preflight(cfg, device, speed.memory_budget(cfg, free))
-                  or speed.fit_micro_batch(cfg, model_config, speed.memory_budget(cfg, free), liger))
-    return speed.choose(cfg, device, fitted)
 
 
 def mean_example_tokens(dataset, n_examples: int) -> float:
@@ -380,168 +254,209 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
     return final
 
 
-# ------------------------------------------------------------------------------------------------- main
-def train(cfg: DictConfig) -> dict[str, Any]:
-    import torch
-    from datasets import Dataset
+# ------------------------------------------------------------------------------------------------- steps
+@dataclass(frozen=True)
+class Objective:
+    """What a training objective brings to the recipe: its trainer class and its config. SFT today; a preference
+    objective (DPO, ORPO, KTO) plugs in by returning its TRL trainer and config builder from `objective`."""
+    trainer_class: type
+    trainer_config: Callable[[DictConfig, RunSettings, bool], Any]  # (cfg, run, has_validation) -> TrainingArguments
 
-    from reprotune import manifest as mf
 
-    started = time.time()
-    # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
-    # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    device = resolve_device(cfg)
-    dtype = resolve_dtype(cfg, device)
-    set_reproducibility(cfg, device)
-    world = distributed.world()
-    distributed.init_process_group(device)
-    log.info("device=%s dtype=%s method=%s model=%s processes=%d", device, dtype, cfg.method.name, cfg.model.name,
-             world.size)
+def objective(cfg: DictConfig) -> Objective:
+    from trl import SFTTrainer
 
-    train_file = Path(cfg.paths.prepared) / "train.jsonl"
-    rows = read_messages(train_file)
-    val_rows: list[dict] = []
-    if cfg.train.eval_steps:
-        rows, val_rows = split_validation(rows, float(cfg.train.run.val_fraction))
+    return Objective(trainer_class=checkpoints.sealing_trainer_class(SFTTrainer), trainer_config=sft_config)
 
+
+def load_rows(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
+    """The training rows, and the validation split drawn from them when train.eval_steps asks for one."""
+    rows = read_messages(Path(cfg.paths.prepared) / "train.jsonl")
+    return split_validation(rows, float(cfg.train.run.val_fraction)) if cfg.train.eval_steps else (rows, [])
+
+
+def load_tokenizer_for_training(cfg: DictConfig) -> tuple[str, Any, str | None]:
+    """(model directory, tokenizer with the training chat template, the model's own template to ship)."""
     with distributed.main_process_first():
         model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg.model)
     training_chat_template(cfg.model, tokenizer, bool(cfg.train.assistant_only_loss))  # one line if TRL can't patch
-    original_template = tokenizer.chat_template
-    fast = choose_fast_path(cfg, device, model_dir)
-    log.info("speed: %s", "; ".join(fast.reasons))
-    speed.apply_compile_settings(fast)
-    model = load_base_model(model_dir, cfg, device, dtype, fast.attn_implementation)
+    return model_dir, tokenizer, tokenizer.chat_template
 
-    fingerprint = config_fingerprint(cfg)
-    with distributed.main_process_first():
-        resume_from = checkpoint_to_resume(cfg, fingerprint, modify=world.is_main)
-        if world.is_main:
-            Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
-            mf.write_json(Path(cfg.paths.checkpoints) / "reprotune-run.json", {"fingerprint": fingerprint})
-    _, batch_line = distributed.global_batch(cfg, fast.per_device_train_batch_size, fast.gradient_accumulation_steps,
-                                             world.size)
-    log.info("%s; strategy %s", batch_line, distributed.strategy(cfg, world.size))
 
+def timing_callbacks(cfg: DictConfig) -> list:
+    """The step timer (first: tokens/s without the warm-up), and torch.profiler when hardware.profile_steps asks."""
     profile = [int(x) for x in cfg.hardware.profile_steps] if cfg.hardware.get("profile_steps") else None
-    timer = speed.step_timer_callback(stop_before=profile[0] if profile else None)
-    callbacks = [timer]
+    callbacks = [speed.step_timer_callback(stop_before=profile[0] if profile else None)]
     if profile:
-        first, last = profile
-        callbacks.append(speed.profiler_callback((first, last), str(Path(cfg.paths.train_dir) / "profile.txt")))
-    trainer = sealing_trainer_class()(
-        model=model,
-        args=sft_config(cfg, device, dtype, bool(val_rows), fast, world.size),
-        callbacks=callbacks,
-        train_dataset=Dataset.from_list(rows),
-        eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
-        processing_class=tokenizer,
-        peft_config=lora_config(cfg),
-    )
-    # TRL drops examples whose labels are all masked; count what is left to learn from.
-    masked = sum(sum(1 for t in ex["labels"] if t != -100) for ex in trainer.train_dataset)
-    if masked == 0:
+        callbacks.append(speed.profiler_callback((profile[0], profile[1]),
+                                                 str(Path(cfg.paths.train_dir) / "profile.txt")))
+    return callbacks
+
+
+def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: list[dict], val_rows: list[dict],
+                  callbacks: list):
+    """The objective's trainer on the rows, with the LoRA config of the method group; stops when the loss mask
+    leaves nothing to learn from."""
+    from datasets import Dataset
+
+    obj = objective(cfg)
+    trainer = obj.trainer_class(model=model, args=obj.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
+                                train_dataset=Dataset.from_list(rows),
+                                eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
+                                processing_class=tokenizer, peft_config=lora_config(cfg))
+    if assistant_tokens(trainer) == 0:  # TRL drops examples whose labels are all masked
         raise ReprotuneError(f"{cfg.model.training_chat_template}: generation: the loss mask is empty, no assistant "
                              "tokens to learn from (check the {% generation %} block of the training template)")
     trainer.keep_checkpoints = int(cfg.train.save_total_limit) if cfg.train.save_total_limit else None
     trainable, total = trainer.model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+    return trainer
 
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    tokens_before = 0  # tokens/s covers what this process trained, also after a resume
-    if resume_from and (Path(resume_from) / "trainer_state.json").is_file():
-        tokens_before = int(json.loads((Path(resume_from) / "trainer_state.json").read_text())
-                            .get("num_input_tokens_seen", 0))
-    train_started = time.time()
-    # Under bf16 autocast PEFT's cast of every adapter input to the fp32 adapter dtype is undone by autocast at
-    # once (bf16 -> fp32 -> bf16 is exact): skipping it computes the same numbers without two copies of each
-    # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
+
+def assistant_tokens(trainer) -> int:
+    return sum(sum(1 for t in ex["labels"] if t != -100) for ex in trainer.train_dataset)
+
+
+def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
+    """trainer.train with the fast path's layer changes in place for the run only; the seconds it took."""
+    import torch
     from peft.helpers import disable_input_dtype_casting
 
     from reprotune.fused_lora import fused_lora
 
-    with (disable_input_dtype_casting(trainer.model, active=device == "cuda" and dtype != "float32"),
-          fused_lora(trainer.model, active=fast.fused_lora) as fused_layers):
+    if run.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.time()
+    # Under bf16 autocast PEFT's cast of every adapter input to the fp32 adapter dtype is undone by autocast at
+    # once (bf16 -> fp32 -> bf16 is exact): skipping it computes the same numbers without two copies of each
+    # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
+    with (disable_input_dtype_casting(trainer.model, active=run.device == "cuda" and run.dtype != "float32"),
+          fused_lora(trainer.model, active=run.fused_lora) as fused_layers):
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
-        apply_liger(trainer.model, active=fast.liger)
+        apply_liger(trainer.model, active=run.liger)
         trainer.train(resume_from_checkpoint=resume_from)
-    train_seconds = time.time() - train_started
+    return time.time() - started
+
+
+def train_metrics(trainer, rows: list[dict], val_rows: list[dict]) -> dict[str, Any]:
+    """outputs/train/metrics.json: numbers only (DVC's metrics file), and no timings: deterministic."""
+    curve = loss_curves(trainer.state.log_history)["train"]
+    trainable, total = trainer.model.get_nb_trainable_parameters()
+    return {"global_step": int(trainer.state.global_step), "final_train_loss": curve[-1][1] if curve else math.nan,
+            "mean_train_loss": mean_loss(curve), "train_examples": len(rows), "validation_examples": len(val_rows),
+            "assistant_tokens": assistant_tokens(trainer), "tokens_seen": int(trainer.state.num_input_tokens_seen),
+            "trainable_parameters": trainable, "total_parameters": total}
+
+
+def write_curves(trainer, out_dir: Path) -> None:
+    """[[step, loss], ...] per split: an output, not a metric (dvc metrics diff compares the final and mean loss)."""
+    from reprotune.manifest import write_json
+
+    curves = loss_curves(trainer.state.log_history)
+    write_json(out_dir / "loss_curves.json", {"train": curves["train"], "eval": curves["eval"]})
+    plot_loss(curves, out_dir / "loss.png")
+
+
+def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, train_seconds: float,
+                  tokens_before: int) -> dict[str, Any]:
+    import torch
+
+    cuda = run.device == "cuda"
+    steady = timer.steady_tokens_per_second()
+    step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, n_rows),
+                                                 speed.recomputed_share(trainer.model.config, run))
+    trained = int(trainer.state.num_input_tokens_seen) - tokens_before
+    return {"wall_seconds": round(wall, 2), "train_seconds": round(train_seconds, 2),
+            "tokens_per_second": round(trained / train_seconds, 1) if train_seconds else None,
+            "steady_tokens_per_second": round(steady, 1) if steady else None,
+            "mfu": round(speed.mfu(steady, step_flops), 4) if steady and cuda else None,
+            "flops_per_token": round(step_flops), "step_seconds": timer.step_seconds(),
+            "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
+
+
+def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
+                 adapter_dir: Path, timing: dict[str, Any]) -> dict[str, Any]:
+    """outputs/train/manifest.json: provenance, the run's settings, inputs and outputs by sha256, timings."""
+    import torch
+
+    from reprotune import manifest as mf
+
+    root, out_dir = Path(cfg.paths.root), Path(cfg.paths.train_dir)
+    model_files = mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else {}
+    return mf.stage_record(
+        "train", cfg, out_dir / "manifest.json",
+        seeds={"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
+        determinism={"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                     "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                     "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
+        device=run.device, dtype=run.dtype, resumed_from=resume_from,
+        inputs={"train_data": mf.path_record(Path(cfg.paths.prepared) / "train.jsonl", root),
+                # outside the run (a shared cache): an absolute path, used in place by 'make verify'
+                "base_model": {"path": str(Path(model_dir).resolve()), "sha256": mf.tree_digest(model_files),
+                               "files": model_files}},
+        outputs={"adapter": mf.path_record(adapter_dir, root),
+                 **{name: mf.path_record(out_dir / f, root) for name, f in
+                    (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
+        timing=timing, run_settings=run.as_record(),
+        distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
+                     "strategy": run.strategy, "global_batch": run.global_batch})
+
+
+# ----------------------------------------------------------------------------------------------- recipe
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """setup -> train -> save -> report."""
+    from reprotune.manifest import write_json
+
+    started = time.time()
+    # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
+    # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+    # setup: where the math runs, the data, the tokenizer, the one decision of the run's settings, the model
+    device = resolve_device(cfg)
+    set_reproducibility(cfg, device)
+    world = distributed.world()
+    distributed.init_process_group(device)
+    log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
+    rows, val_rows = load_rows(cfg)
+    model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg)
+    run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
+    log.info("settings: %s", "; ".join(run.reasons))
+    speed.apply_compile_settings(run)
+    model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
+    resume_from = checkpoints.prepare_resume(cfg, world)
+    tokens_before = checkpoints.tokens_seen_before(resume_from)  # read now: rotation may remove that checkpoint
+    log.info("%s; strategy %s", run.global_batch, run.strategy)
+    callbacks = timing_callbacks(cfg)
+    trainer = build_trainer(cfg, run, model, tokenizer, rows, val_rows, callbacks)
+
+    # train
+    train_seconds = fit(trainer, run, resume_from)
     # FSDP2 shards the adapter: every process takes part in gathering it; only rank 0 writes anything
-    state_dict = (trainer.accelerator.get_state_dict(trainer.model)
-                  if distributed.strategy(cfg, world.size) == "fsdp2" else None)
+    state_dict = trainer.accelerator.get_state_dict(trainer.model) if run.strategy == "fsdp2" else None
     if not world.is_main:
         distributed.barrier()
         return {}
 
-    curves = loss_curves(trainer.state.log_history)
-    tokens_seen = int(trainer.state.num_input_tokens_seen)
-    steady = timer.steady_tokens_per_second()
-    step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, len(rows)),
-                                                 speed.recomputed_share(trainer.model.config, fast))
-    metrics = {
-        "global_step": int(trainer.state.global_step),
-        "final_train_loss": curves["train"][-1][1] if curves["train"] else math.nan,
-        "mean_train_loss": mean_loss(curves["train"]),
-        "train_examples": len(rows),
-        "validation_examples": len(val_rows),
-        "assistant_tokens": masked,
-        "tokens_seen": tokens_seen,
-        "trainable_parameters": trainable,
-        "total_parameters": total,
-    }
+    # save
     out_dir = Path(cfg.paths.train_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = train_metrics(trainer, rows, val_rows)
     adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template, state_dict)
-    mf.write_json(out_dir / "metrics.json", metrics)  # numbers only (DVC's metrics file); no timings: deterministic
-    # [[step, loss], ...] per split: an output, not a metric (dvc metrics diff compares the final and mean loss)
-    mf.write_json(out_dir / "loss_curves.json", {"train": curves["train"], "eval": curves["eval"]})
-    plot_loss(curves, out_dir / "loss.png")
+    write_json(out_dir / "metrics.json", metrics)
+    write_curves(trainer, out_dir)
 
-    root = Path(cfg.paths.root)
-    record = mf.base_manifest("train", OmegaConf.to_container(cfg, resolve=True))
-    model_files = mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else {}
-    record.update({
-        "manifest_path": os.path.relpath(out_dir / "manifest.json", root),
-        "seeds": {"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
-        "determinism": {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-                        "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
-        "device": device,
-        "dtype": dtype,
-        "resumed_from": resume_from,
-        "inputs": {"train_data": mf.path_record(train_file, root),
-                   # outside the run (a shared cache): an absolute path, used in place by 'make verify'
-                   "base_model": {"path": str(Path(model_dir).resolve()), "sha256": mf.tree_digest(model_files),
-                                  "files": model_files}},
-        "outputs": {"adapter": mf.path_record(adapter_dir, root),
-                    "metrics": mf.path_record(out_dir / "metrics.json", root),
-                    "loss_curves": mf.path_record(out_dir / "loss_curves.json", root),
-                    "loss_plot": mf.path_record(out_dir / "loss.png", root)},
-        "timing": {"wall_seconds": round(time.time() - started, 2), "train_seconds": round(train_seconds, 2),
-                   "tokens_per_second": round((tokens_seen - tokens_before) / train_seconds, 1)
-                   if train_seconds else None,
-                   "steady_tokens_per_second": round(steady, 1) if steady else None,
-                   "mfu": round(speed.mfu(steady, step_flops), 4) if steady and device == "cuda" else None,
-                   "flops_per_token": round(step_flops),
-                   "step_seconds": timer.step_seconds(),
-                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                   if device == "cuda" else None,
-                   "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
-                   if device == "cuda" else None},
-        "fast_path": fast.as_record(),
-        "distributed": {"world_size": world.size, "nnodes": int(os.environ.get("NNODES") or 1),
-                        "strategy": distributed.strategy(cfg, world.size), "global_batch": batch_line},
-    })
-    mf.write_json(out_dir / "manifest.json", record)
+    # report
+    timing = timing_record(trainer, run, callbacks[0], len(rows), time.time() - started, train_seconds, tokens_before)
+    record = train_record(cfg, run, trainer, model_dir, resume_from, adapter_dir, timing)
+    write_json(out_dir / "manifest.json", record)
     if not cfg.train.run.keep_checkpoints:
         shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)
     log.info("adapter %s (sha256 %s), final loss %.4f, %.1f tokens/s", adapter_dir,
-             record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"],
-             record["timing"]["tokens_per_second"] or 0)
+             record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"], timing["tokens_per_second"] or 0)
     distributed.barrier()  # the other ranks wait for the outputs
     return record
 

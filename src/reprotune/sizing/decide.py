@@ -1,0 +1,205 @@
+"""One decision per run: the settings `make train` trains with and `make plan` reports, decided once from the
+config and a description of the hardware, each choice with its reason.
+
+    run = decide(cfg, card("H200"))       # make plan, tests: a described card, no GPU needed
+    run = decide(cfg, detect(cfg, device)) # make train: the GPU this process sees (reprotune.sizing.preflight)
+
+A pure function of the config (and the files it names: the prepared data's token lengths, a local config.json)
+and a Hardware value, so a CPU test can drive the CUDA branch with a described card. What it decides:
+- precision, and on CUDA the fast path (reprotune.speed's docstring says why each): padding-free packing, flex
+  attention over the packed block-diagonal mask, Liger's fused kernels (when installed), LoRA's fused scale-and-add;
+- activation checkpointing, its spacing, rows per micro-batch and gradient accumulation: with
+  hardware.gradient_checkpointing=auto on CUDA, the fastest setting the throughput model predicts among those the
+  memory model says fit the budget (reprotune.sizing.fit); otherwise as configured;
+- processes, the strategy among them and each one's share of the accumulation (reprotune.distributed).
+No torch, except in detect().
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from omegaconf import DictConfig
+
+from reprotune import distributed
+from reprotune.config import every_n_layers, quantization
+from reprotune.runtime import attention, resolve_dtype
+from reprotune.sizing.fit import describe, fit_to_budget, fitting_setting
+from reprotune.sizing.memory import GIB, Settings, memory_budget, needed_bytes
+from reprotune.sizing.shape import (
+    DataShape,
+    PlanError,
+    Shape,
+    load_data_shape,
+    load_table,
+    load_tables,
+    model_shape,
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the decision needs to know of the machine."""
+    device: str                      # cuda | cpu | mps
+    free_bytes: float | None = None  # GPU memory free for this run (None: no GPU)
+    name: str = ""
+    liger_installed: bool = True     # the CUDA lock installs liger-kernel; detect() looks
+    world_size: int = 1
+
+
+def card(gpu: str, world_size: int = 1) -> Hardware:
+    """A GPU of conf/plan/throughput.yaml, all of its usable memory free, with the CUDA lock's packages."""
+    gib = load_tables()["throughput"]["gpus"][gpu]["memory_gib"]
+    return Hardware(device="cuda", free_bytes=gib * GIB, name=gpu, world_size=world_size)
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def detect(device: str) -> Hardware:
+    """The hardware this process runs on (device from reprotune.runtime.resolve_device)."""
+    world = distributed.world().size
+    if device != "cuda":
+        return Hardware(device=device, name=device.upper(), liger_installed=liger_available(), world_size=world)
+    import torch
+
+    return Hardware(device="cuda", free_bytes=float(torch.cuda.mem_get_info()[0]),
+                    name=torch.cuda.get_device_name(), liger_installed=liger_available(), world_size=world)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How a run trains; `reasons` says why, in the order decided."""
+    method: str
+    device: str
+    dtype: str
+    packing: bool
+    attn_implementation: str | None  # None: the model's default (SDPA)
+    liger: bool
+    fused_lora: bool                 # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
+    dynamic_shapes: bool             # torch.compile traces symbolic sequence lengths from the first call
+    activation_checkpointing: bool
+    checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int  # of one process keeping the global batch alone (the fitted value)
+    world_size: int
+    strategy: str                    # none | ddp | fsdp2
+    process_accumulation: int        # what each of world_size processes accumulates
+    global_batch: str
+    budget_bytes: float | None       # what the run may take of the GPU (None: no GPU)
+    planned: Settings | None         # the memory model's view of this run (None: shape unknown)
+    predicted: dict[str, Any] | None  # its predicted memory on this hardware (CUDA only)
+    fits: bool                       # the predicted need fits the free memory (always true off CUDA)
+    fallback: Settings | None        # what would fit this hardware when the run does not
+    fallback_card_gib: float | None  # and what it would take of the card
+    reasons: tuple[str, ...]
+
+    def as_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+@dataclass(frozen=True)
+class _Paths:
+    """The code paths chosen before any memory is counted."""
+    dtype: str
+    packing: bool
+    attn: str | None
+    liger: bool
+    fused: bool
+    reasons: tuple[str, ...]
+
+
+def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
+    h, cuda = cfg.hardware, hw.device == "cuda"
+    fast = cuda if _auto(h.get("fast_path", "auto")) else bool(h.fast_path)
+    reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
+    packing = fast if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
+    attn = attention(cfg, packing, hw.device)
+    reasons.append(f"attention={attn or 'sdpa'}")
+    liger = h.get("liger_kernel", "auto")
+    if _auto(liger):
+        liger = fast and cuda and hw.liger_installed
+        if fast and cuda and not liger:
+            reasons.append("liger-kernel not installed (pip install liger-kernel): unfused norms/activations")
+    if attn == "flex_attention":
+        reasons.append("compile: dynamic shapes from the first call")
+    fused = fast and cuda if _auto(h.get("fused_lora", "auto")) else bool(h.fused_lora)
+    if fused:
+        reasons.append("LoRA scale and add fused into B's matrix product")
+    return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), fused=fused,
+                  reasons=tuple(reasons))
+
+
+def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
+    """The memory model's view of the configured run (checkpointing=auto counted as on: the fit decides)."""
+    method, train = cfg.method, cfg.train
+    targets = method.target_modules or cfg.model.lora_target_modules
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    quant = quantization(cfg) or {}
+    ckpt = cfg.hardware.gradient_checkpointing
+    attn = p.attn or "sdpa"
+    return Settings(method=str(method.name), load_in_4bit=bool(quant.get("load_in_4bit", False)),
+                    double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
+                    dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
+                    checkpointing=True if _auto(ckpt) else bool(ckpt), packing=p.packing,
+                    batch_size=int(train.per_device_train_batch_size),
+                    grad_accum=int(train.gradient_accumulation_steps), max_length=int(train.max_length),
+                    eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
+                    dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
+                    ckpt_every=every_n_layers(cfg))
+
+
+def configured_settings(cfg: DictConfig, hw: Hardware | None = None) -> Settings:
+    """The memory model's view of the run as configured on `hw` (default: a GPU with the CUDA lock), unfitted."""
+    return _memory_view(cfg, _paths(cfg, hw or Hardware(device="cuda")))
+
+
+def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
+           data: DataShape | None | str = "prepared") -> RunSettings:
+    """The run's settings on `hw`. shape: the model's (default: from its preset, reprotune.sizing.shape.model_shape;
+    train passes the downloaded config.json's for a preset without one); data: the prepared data's token lengths
+    (default: read from paths.prepared; None: full-length examples)."""
+    p = _paths(cfg, hw)
+    reasons = list(p.reasons)
+    try:
+        shape = shape or model_shape(cfg.model)
+    except PlanError as err:  # an unknown architecture must not block training: say so and go on as configured
+        reasons.append(f"plan: {err} (no memory fit)")
+        shape = None
+    data = load_data_shape(cfg) if data == "prepared" else data
+    planned = _memory_view(cfg, p) if shape else None
+    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
+    ckpt, every = cfg.hardware.gradient_checkpointing, every_n_layers(cfg)
+    budget = predicted = fallback = fallback_gib = None
+    fits = True
+    if hw.device == "cuda" and planned is not None:
+        consts = load_table("memory.yaml")
+        budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
+        planned, predicted = fit_to_budget(planned, not _auto(ckpt), shape, data, budget, consts)
+        fits = needed_bytes(predicted, consts) <= hw.free_bytes
+        if not fits:
+            found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
+                                    hw.free_bytes / GIB, consts)
+            fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
+        if _auto(ckpt):
+            rows, accum, ckpt, every = planned.batch_size, planned.grad_accum, planned.checkpointing, planned.ckpt_every
+            reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
+                           f"{budget / GIB:.1f} GiB budget")
+    ckpt = False if _auto(ckpt) else bool(ckpt)  # off CUDA nothing is fitted: auto is off
+    strategy = distributed.strategy(cfg, hw.world_size)
+    process_accum, batch_line = distributed.global_batch(cfg, rows, accum, hw.world_size)
+    return RunSettings(method=str(cfg.method.name), device=hw.device, dtype=p.dtype, packing=p.packing,
+                       attn_implementation=p.attn, liger=p.liger, fused_lora=p.fused,
+                       dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
+                       checkpoint_every_n_layers=every if ckpt else 1, per_device_train_batch_size=rows,
+                       gradient_accumulation_steps=accum, world_size=hw.world_size, strategy=strategy,
+                       process_accumulation=process_accum, global_batch=batch_line, budget_bytes=budget,
+                       planned=planned, predicted=predicted, fits=fits, fallback=fallback,
+                       fallback_card_gib=fallback_gib, reasons=tuple(reasons))

@@ -1,0 +1,122 @@
+"""Which settings fit a card: the candidates weighed for a run (larger packed micro-steps, no, partial or full
+checkpointing, fewer rows, QLoRA for a 16-bit LoRA) and the fastest of those that fit. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from reprotune.sizing.memory import GIB, Settings, memory, needed_bytes
+from reprotune.sizing.shape import DataShape, Shape, count_params, load_table
+from reprotune.sizing.throughput import model_tokens_per_second
+
+PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing and all layers
+
+
+# More tokens per micro-step amortise its fixed per-layer costs (kernel launches, PEFT's Python, NF4 dequantisation:
+# throughput.yaml's layer_pass_ms), so the preflight may trade gradient accumulation for rows. Up to the largest
+# packed micro-step measured on the H200 (16 rows of 1,100 tokens: 8B QLoRA, checkpointing every layer).
+MAX_MICRO_STEP_TOKENS = 17_600
+
+
+def rebatched(s: Settings) -> list[Settings]:
+    """The same global batch (rows x accumulation) in fewer, larger packed micro-steps; largest first."""
+    if not s.packing:
+        return []
+    total = s.batch_size * s.grad_accum
+    return [replace(s, batch_size=r, grad_accum=total // r) for r in range(total, s.batch_size, -1)
+            if total % r == 0 and r * s.max_length <= MAX_MICRO_STEP_TOKENS]
+
+
+def checkpointing_options(s: Settings) -> list[Settings]:
+    """No checkpointing, every n-th layer, every layer: fastest to smallest at these rows."""
+    return ([replace(s, checkpointing=False)] + [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
+            + [replace(s, checkpointing=True, ckpt_every=1)])
+
+
+def same_method_candidates(s: Settings) -> list[Settings]:
+    """Everything the preflight weighs for the configured method: larger packed micro-steps (each with every
+    checkpointing option), then candidate_settings' ladder of the same method."""
+    return ([o for r in rebatched(s) for o in checkpointing_options(r)]
+            + [c for c in candidate_settings(s) if c.load_in_4bit == s.load_in_4bit])
+
+
+def candidate_settings(s: Settings) -> list[Settings]:
+    """From fastest to smallest: no checkpointing, every n-th layer checkpointed, every layer, smaller
+    micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
+    ladder = [replace(s, checkpointing=False)]
+    # some layers before all of them (8B QLoRA, 4 rows, H200: none 10,282 tok/s, every 4th layer 7,753,
+    # every layer 6,376)
+    ladder += [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
+    ladder.append(replace(s, checkpointing=True, ckpt_every=1))
+    for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:
+        ladder.append(replace(s, checkpointing=True, ckpt_every=1, batch_size=bs,
+                              grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
+    if not s.load_in_4bit:
+        q = replace(s, method="qlora", load_in_4bit=True, double_quant=True)
+        ladder += [replace(c, method="qlora", load_in_4bit=True, double_quant=True) for c in ladder if
+                   c.checkpointing] or [q]
+    return ladder
+
+
+def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None, capacity_bytes: float,
+                    consts: dict[str, Any], throughput: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
+    """Of the candidates whose card need fits, the one the throughput model predicts fastest (the earlier one on
+    a tie); None when none fits."""
+    best = None
+    for cand in cands:
+        mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
+        if needed_bytes(mem, consts) > capacity_bytes:
+            continue
+        tps = model_tokens_per_second(shape, cand, data, throughput)
+        if best is None or tps > best[0]:
+            best = (tps, cand, mem)
+    return (best[1], best[2]) if best else None
+
+
+def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
+                    consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
+    """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
+    candidate_settings' ladder), else of the ladder's QLoRA fallback."""
+    throughput = load_table("throughput.yaml")
+    for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
+        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput)
+        if found:
+            return found
+    return None
+
+
+def fit_to_budget(s: Settings, forced: bool, shape: Shape, data: DataShape | None, budget_bytes: float,
+                  consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
+    """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
+    global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
+    else the ladder's smallest; `s` as it is when checkpointing is forced (hardware.gradient_checkpointing)."""
+    cands = [s] if forced else same_method_candidates(s)
+    if not forced:
+        found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"))
+        if found:
+            return found
+    last = cands[-1]
+    return last, memory(shape, count_params(shape, list(last.targets), last.r, last.dora), last, data, consts)
+
+
+def checkpointing_words(checkpointing: bool, every: int) -> str:
+    return "off" if not checkpointing else ("on" if every == 1 else f"every {every} layers")
+
+
+def describe(s: Settings) -> str:
+    tokens = f"{s.batch_size}x{s.max_length} packed" if s.packing else f"bs {s.batch_size}"
+    return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}, "
+            f"{tokens}, grad-accum {s.grad_accum}")
+
+
+def overrides_for(s: Settings, base: Settings) -> list[str]:
+    out = []
+    if s.load_in_4bit and not base.load_in_4bit:
+        out.append("method=qlora")
+    out.append(f"hardware.gradient_checkpointing={str(s.checkpointing).lower()}")
+    if s.checkpointing and s.ckpt_every > 1:
+        out.append(f"++train.activation_checkpointing_kwargs.every_n_layers={s.ckpt_every}")
+    if s.batch_size != base.batch_size:
+        out += [f"train.per_device_train_batch_size={s.batch_size}", f"train.gradient_accumulation_steps={s.grad_accum}"]
+    return out

@@ -1,0 +1,159 @@
+"""The memory model: predicted peak GPU memory of a run's settings, by part (constants in conf/plan/memory.yaml,
+checked against H200 measurements in conf/plan/calibration.json; docs/plan.md explains it), and the budget a run
+may take of a card. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from reprotune import speed
+from reprotune.config import quantization
+from reprotune.sizing.shape import DataShape, Params, Shape, load_table
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Settings:
+    method: str
+    load_in_4bit: bool
+    double_quant: bool
+    dora: bool
+    r: int
+    targets: tuple[str, ...]
+    checkpointing: bool
+    packing: bool
+    batch_size: int
+    grad_accum: int
+    max_length: int
+    eager_attention: bool
+    mask_repeats_kv: bool     # SDPA with a mask (and flex attention) repeat K/V to every head
+    dtype_bytes: int
+    liger: bool = False       # Liger's fused RMSNorm/SwiGLU/RoPE
+    input_casts: bool = False  # PEFT's per-adapter input casts (train.py disables them under bf16 autocast)
+    ckpt_every: int = 1       # with checkpointing: every n-th decoder layer (transformers' every_n_layers)
+
+
+def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
+    """Tokens in the largest micro-batch: packed rows are filled up to max_length; unpacked batches are padded
+    to their longest example, and the data's longest example is in some batch of an epoch."""
+    longest = s.max_length if data is None else min(data.max_tokens, s.max_length)
+    return s.batch_size * (s.max_length if s.packing else longest)
+
+
+def weight_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
+    if not s.load_in_4bit:
+        return p.total * s.dtype_bytes
+    w = consts["weights"]
+    per_param = w["nf4_bytes_per_param"]
+    if s.double_quant:
+        per_param += 1 / w["nf4_block"] + 4 / (w["nf4_block"] * w["nf4_double_quant_block"])
+    else:
+        per_param += 4 / w["nf4_block"]
+    return p.layer_linear * per_param + (p.total - p.layer_linear) * 2
+
+
+def adapter_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
+    """Trainable parameters + gradients + AdamW states: fp32 for LoRA on a 16-bit base (PEFT's autocast of
+    adapter dtypes), bf16 for QLoRA (TRL casts the adapters of a quantised model to bf16)."""
+    per = 2 if (s.load_in_4bit and s.dtype_bytes == 2) else 4
+    autocast_copy = 2 if per == 4 and s.dtype_bytes == 2 else 0  # bf16 copies of fp32 adapters, kept for backward
+    return p.trainable * (per * (2 + consts["optimizer"]["states_per_param"]) + autocast_copy)
+
+
+def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) -> float:
+    """Bytes per token that one decoder layer keeps for backward (no checkpointing)."""
+    a = consts["activations"]
+    c = a["input_casts" if s.input_casts and not s.load_in_4bit else "no_input_casts"]
+    per_token = c["h_coef"] * shape.hidden + c["i_coef"] * shape.intermediate + c["kv_coef"] * shape.kv_dim
+    if s.liger:
+        per_token += a["liger"]["h_delta"] * shape.hidden + a["liger"]["i_delta"] * shape.intermediate
+    if s.mask_repeats_kv:
+        per_token += a["gqa_mask_coef"] * (shape.q_dim - shape.kv_dim)
+    if shape.qk_norm:  # q_norm/k_norm keep their input (+ an fp32 copy without Liger's RMSNorm)
+        qk = a["qk_norm"]
+        per_token += (qk["coef"] + (qk["liger_delta"] if s.liger else 0.0)) * (shape.q_dim + shape.kv_dim)
+    return per_token * s.dtype_bytes / 2
+
+
+def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, Any]) -> dict[str, float]:
+    """Activations of the largest micro-batch, with and without checkpointing, and the backward transients."""
+    a = consts["activations"]
+    layer = layer_activation_bytes(shape, s, consts) * tokens
+    base = a["base_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
+    rows = s.batch_size
+    seq = tokens // max(rows, 1)
+    eager_layer = rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
+    backward = (a["backward_h_coef"] * shape.hidden + a["backward_i_coef"] * shape.intermediate) * tokens
+    return {
+        "no_checkpointing": shape.layers * (layer + eager_layer) + base,
+        "checkpointing": shape.layers * a["checkpointed_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
+        + base,
+        "recompute_layer": layer + eager_layer,
+        "backward_transient": backward * s.dtype_bytes / 2,
+    }
+
+
+def lm_head_bytes(shape: Shape, tokens: int, assistant_share: float, consts: dict[str, Any]) -> float:
+    """TRL's fused LM head: logits exist only as (4096 tokens x 32768 vocabulary) tiles of the loss positions."""
+    lm = consts["lm_head"]
+    valid = max(1, int(tokens * assistant_share))
+    tile = min(valid, lm["token_tile"]) * min(shape.vocab, lm["vocab_tile"]) * 2
+    return lm["tiles_live"] * tile + lm["per_valid_token_h_coef"] * shape.hidden * valid
+
+
+def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
+           consts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predicted peak of torch.cuda.max_memory_allocated for these settings, by part (bytes and GiB)."""
+    consts = consts or load_table("memory.yaml")
+    tokens = micro_batch_tokens(s, data)
+    share = data.assistant_share if data else 1.0
+    act = activation_bytes(shape, s, tokens, consts)
+    lm = lm_head_bytes(shape, tokens, share, consts)
+    dequant = p.largest_linear * 2 * consts["weights"]["dequant_temp_layers"] if s.load_in_4bit else 0.0
+    static = weight_bytes(p, s, consts) + adapter_bytes(p, s, consts)
+    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
+    if k == shape.layers:
+        # backward: the loss head first, then one layer at a time is recomputed next to the saved layer inputs
+        dynamic = act["checkpointing"] + max(lm, act["recompute_layer"] + act["backward_transient"]) + dequant
+    elif k == 0:
+        dynamic = act["no_checkpointing"] + lm + act["backward_transient"] + dequant
+    else:  # every n-th layer keeps its input only; a recomputed layer may meet the loss head's buffers
+        kept = (k * act["checkpointing"] + (shape.layers - k) * act["no_checkpointing"]) / shape.layers
+        dynamic = kept + max(lm, act["recompute_layer"]) + act["backward_transient"] + dequant
+    allocated = static + dynamic
+    o = consts["overhead"]
+    reserved = allocated * o["reserved_over_allocated"]
+    parts = {"weights": weight_bytes(p, s, consts), "adapter_optimizer_grads": adapter_bytes(p, s, consts),
+             "activations_checkpointing": act["checkpointing"] + act["recompute_layer"],
+             "activations_no_checkpointing": act["no_checkpointing"],
+             "backward_transient": act["backward_transient"] + dequant,
+             "logits_loss": lm, "cuda_context": o["cuda_context_gib"] * GIB,
+             "allocator_reserve": reserved - allocated}
+    return {"tokens_per_micro_batch": tokens, "checkpointing": s.checkpointing, "checkpointed_layers": k,
+            "peak_allocated_bytes": allocated, "peak_gib": round(allocated / GIB, 2),
+            "reserved_gib": round(reserved / GIB, 2),
+            "card_gib": round((reserved + o["cuda_context_gib"] * GIB) / GIB, 2),
+            "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
+
+
+def needed_bytes(mem: dict[str, Any], consts: dict[str, Any]) -> float:
+    """What a card must have free: reserved peak + CUDA context + margin."""
+    return (mem["card_gib"] + consts["overhead"]["margin_gib"]) * GIB
+
+
+# QLoRA is how a run fits a 24 GB card, so its default plan must: 22 GiB of card (reserved + CUDA context + margin)
+# is a peak of ~20 GiB allocated, and leaves 1.5 GiB of an RTX 4090's 23.5 GiB to a desktop or a second process
+QLORA_BUDGET_GIB = 22.0
+
+
+def memory_budget(cfg: DictConfig, free_bytes: float) -> float:
+    """hardware.memory_budget_gib (what the run may take of the card: reserved + CUDA context), or auto:
+    QLORA_BUDGET_GIB for 4-bit runs, else 90% of the GPU's free memory."""
+    budget = cfg.hardware.get("memory_budget_gib", "auto")
+    if budget is None or budget == "auto":
+        return QLORA_BUDGET_GIB * GIB if quantization(cfg) else 0.9 * free_bytes
+    return float(budget) * GIB

@@ -1,0 +1,130 @@
+"""The throughput model: tokens/s of a run's settings on the H200 (constants in conf/plan/throughput.yaml, fitted
+to measured runs by reprotune.sizing.calibration; docs/plan.md), other GPUs scaled by their bf16 peak, and the
+steps and tokens of a run. No torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from omegaconf import DictConfig
+
+from reprotune import speed
+from reprotune.sizing.memory import Settings
+from reprotune.sizing.shape import DataShape, Shape
+
+
+def as_model_config(shape: Shape) -> SimpleNamespace:
+    """The config.json attributes reprotune.speed's FLOP counts read (the same counts as the manifest's MFU)."""
+    return SimpleNamespace(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                           num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                           num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab)
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    counted: float    # tokens per micro-step that tokens/s counts (packed: all; unpacked: non-padding)
+    computed: float   # tokens the GPU computes (unpacked: padded to the longest example of the micro-batch)
+    context: float    # mean attention context per token (block-diagonal when packed)
+
+
+def micro_step(s: Settings, data: DataShape | None) -> MicroStep:
+    """Tokens of a typical micro-step. Unpacked rows are padded to the micro-batch's longest example: its
+    expected length assumes lengths spread evenly between (2 mean - max) and max (only mean and max are known)."""
+    if data is None:
+        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, s.max_length / 2)
+    mean, longest = min(data.mean_tokens, s.max_length), min(data.max_tokens, s.max_length)
+    if s.packing:
+        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, mean)
+    shortest = max(1.0, 2 * mean - longest)
+    padded = shortest + (longest - shortest) * s.batch_size / (s.batch_size + 1)
+    return MicroStep(s.batch_size * mean, s.batch_size * padded, padded)
+
+
+def code_path(s: Settings) -> str:
+    """The throughput classes of conf/plan/throughput.yaml: the fast path (Liger's fused kernels, no PEFT input
+    casts) and the unfused SDPA path it replaced."""
+    return "fast" if s.liger else "unfused"
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one micro-step does, for the throughput model (docs/plan.md)."""
+    path: str            # "fast" or "unfused" (code_path)
+    qlora: bool
+    flops: float         # FLOPs per computed token (reprotune.speed's count, recompute included)
+    step: MicroStep
+    layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
+    recomputed: int      # checkpointed (recomputed) layers
+
+
+def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
+    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
+    step = micro_step(s, data)
+    flops = speed.lora_step_flops_per_token(as_model_config(shape), step.context, k / shape.layers)
+    return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, step=step,
+                    layer_passes=2 * shape.layers + k, recomputed=k)
+
+
+def overhead_terms(w: StepWork) -> dict[str, float]:
+    """What each constant of throughput.yaml multiplies per micro-step (milliseconds per unit): the GEMM time at
+    the measured dense bf16 rate (gemm_time_factor: how much slower the real mix of products runs), and the
+    decoder-layer passes, QLoRA's passes and its recomputed layers."""
+    return {f"{w.path}.gemm_time_factor": 1e3 * w.flops * w.step.computed / speed.H200_BF16_FLOPS,
+            f"{w.path}.layer_pass_ms": w.layer_passes,
+            f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
+            "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0}
+
+
+def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]:
+    """Seconds per counted token on the H200, by term: the GEMMs (their FLOPs at the measured dense bf16 rate,
+    times a fitted factor), and a cost per decoder-layer pass and micro-step (kernel launches and Python, unfused
+    element-wise work, LoRA's rank-16 products; for QLoRA the NF4 dequantisation of each pass, and an extra cost
+    per recomputed layer)."""
+    m = tp["model"]
+
+    def const(key: str) -> float:
+        node = m
+        for part in key.split("."):
+            node = node[part]
+        return float(node)
+
+    ms = {key: n * const(key) for key, n in overhead_terms(w).items() if n}
+    gemm_ms = sum(v for k, v in ms.items() if k.endswith("gemm_time_factor"))
+    return {"gemm": gemm_ms / 1e3 / w.step.counted,
+            "overhead": (sum(ms.values()) - gemm_ms) / 1e3 / w.step.counted}
+
+
+def model_tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, throughput: dict[str, Any]) -> float:
+    """The throughput model's tokens/s on the H200."""
+    return 1 / sum(model_seconds_per_token(step_work(shape, s, data), throughput).values())
+
+
+def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: str,
+                      tables: dict[str, Any]) -> tuple[float, str]:
+    """The throughput model on the H200 (docs/plan.md); other GPUs: scaled by their bf16 peak (unmeasured)."""
+    tp = tables["throughput"]
+    t = model_seconds_per_token(step_work(shape, s, data), tp)
+    tps = 1 / (t["gemm"] + t["overhead"])
+    how = f"model ({code_path(s)} path): GEMMs {t['gemm'] / (t['gemm'] + t['overhead']):.0%} of the time"
+    if gpu != "H200":
+        tps *= tp["gpus"][gpu]["tflops"] / tp["gpus"]["H200"]["tflops"]
+        how += f"; scaled from the H200 by {gpu}'s bf16 peak (unmeasured)"
+    return tps, how
+
+
+def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if s.packing:
+        batches = math.ceil(math.ceil(data.total_tokens / s.max_length) / s.batch_size)
+    else:
+        batches = math.ceil(data.examples / s.batch_size)
+    steps_per_epoch = max(1, math.ceil(batches / s.grad_accum))
+    max_steps = int(cfg.train.max_steps)
+    steps = max_steps if max_steps > 0 else math.ceil(steps_per_epoch * float(cfg.train.num_train_epochs))
+    epochs = steps / steps_per_epoch
+    return {"examples": data.examples, "tokens_per_epoch": data.total_tokens, "steps_per_epoch": steps_per_epoch,
+            "steps": steps, "epochs": round(epochs, 3), "tokens_trained": int(epochs * data.total_tokens)}

@@ -1,0 +1,93 @@
+"""One decision per run (reprotune.sizing.decide): make plan's pick and make train's pick are the same on every
+model preset x method x card, and the same as before the decision was made in one place (tests/golden/run_picks.json,
+recorded from the code that had make plan and the preflight decide separately; four 24 GB picks re-recorded after
+the Mistral-7B calibration run moved the Liger SwiGLU rule from -2.0 to -1.8 bytes, all to more checkpointing). No GPU: a described card drives
+the CUDA branch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reprotune.config import CONF_DIR, compose
+from reprotune.sizing import decide as d
+from reprotune.sizing.fit import describe
+from reprotune.sizing.preflight import preflight
+from reprotune.sizing.report import fit_table
+from reprotune.sizing.shape import load_tables, model_shape
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "run_picks.json").read_text())
+MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+CARDS = load_tables()["throughput"]["cards"]  # {24: "RTX 4090", ...}
+# the default train group, and two longer contexts that need checkpointing, fewer rows, or do not fit at all
+VARIANTS = {"default": [], "long": ["train.max_length=4096", "train.per_device_train_batch_size=4",
+                                    "train.gradient_accumulation_steps=4"],
+            "huge": ["train.max_length=32768", "train.per_device_train_batch_size=2",
+                     "train.gradient_accumulation_steps=1"]}
+
+
+def _cfg(model: str, method: str, variant: str, tmp: Path | None = None):
+    return compose([f"model={model}", f"method={method}", "hardware=gpu", "paths.prepared=/nonexistent",
+                    *([f"paths.root={tmp}"] if tmp else []), *VARIANTS[variant]])
+
+
+def _golden_row(pick: d.RunSettings) -> dict:
+    return {"pick": describe(pick.planned)} if pick.fits else {"stops": True, "fits_with": describe(pick.fallback)
+                                                                if pick.fallback else None}
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora", "dora"])
+@pytest.mark.parametrize("model", MODELS)
+def test_make_plan_and_make_train_pick_the_same_on_every_card(model: str, method: str) -> None:
+    for variant in VARIANTS:
+        cfg = _cfg(model, method, variant)
+        shape = model_shape(cfg.model)
+        table = fit_table(cfg, shape, None, d.configured_settings(cfg))
+        for size, gpu in CARDS.items():
+            key = f"{model}/{method}/{variant}/{size}"
+            train = d.decide(cfg, d.card(gpu), shape, None)  # what the preflight decides on that card
+            row = table[f"{size} GB"]
+            assert _golden_row(train) == GOLDEN[key], key
+            if train.fits:
+                assert row["setting"] == describe(train.planned), key
+                assert (train.per_device_train_batch_size, train.gradient_accumulation_steps,
+                        train.activation_checkpointing) == (train.planned.batch_size, train.planned.grad_accum,
+                                                            train.planned.checkpointing), key
+            else:
+                assert row["setting"] is None and row["fits_with"] == GOLDEN[key]["fits_with"], key
+
+
+def test_the_preflight_takes_the_plans_pick_and_writes_it(tmp_path: Path) -> None:
+    """The preflight itself on a described 24 GB card: the 8B QLoRA long-context run is make plan's 24 GB row, and
+    outputs/train/plan.json records that setting; a LoRA that cannot fit stops with the overrides that would."""
+    cfg = _cfg("qwen3_8b_random", "qlora", "long", tmp_path)
+    run = preflight(cfg, d.card("RTX 4090"), None)
+    written = json.loads((tmp_path / "outputs" / "train" / "plan.json").read_text())
+    assert describe(run.planned) == GOLDEN["qwen3_8b_random/qlora/long/24"]["pick"] == written["fit"]["24 GB"]["setting"]
+    assert written["settings"]["batch_size"] == run.per_device_train_batch_size
+    assert any(r.startswith("plan: ") for r in run.reasons)
+    with pytest.raises(SystemExit) as stop:
+        preflight(_cfg("mistral_7b_random", "lora", "huge", tmp_path), d.card("RTX 4090"), None)
+    assert stop.value.code == 2
+
+
+def test_liger_is_planned_only_where_it_runs() -> None:
+    """A CUDA host without liger-kernel: the run uses unfused kernels, and so does the memory it is fitted to."""
+    cfg = _cfg("qwen3_8b_random", "lora", "long")
+    with_liger = d.decide(cfg, d.card("H100"), None, None)
+    bare = d.decide(cfg, d.Hardware("cuda", with_liger.budget_bytes / 0.9, "H100", liger_installed=False), None, None)
+    assert with_liger.liger and with_liger.planned.liger
+    assert not bare.liger and not bare.planned.liger and "liger-kernel not installed" in " ".join(bare.reasons)
+    assert bare.predicted["peak_gib"] != with_liger.predicted["peak_gib"]
+
+
+def test_off_cuda_nothing_is_fitted() -> None:
+    cfg = compose(["model=tiny_random", "hardware=cpu"])
+    run = d.decide(cfg, d.Hardware("cpu"), None, None)
+    assert (run.packing, run.attn_implementation, run.liger, run.fused_lora, run.activation_checkpointing) == \
+        (False, None, False, False, False)
+    assert run.dtype == "float32" and run.budget_bytes is None and run.fits
+    assert (run.per_device_train_batch_size, run.gradient_accumulation_steps) == \
+        (int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps))
