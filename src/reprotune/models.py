@@ -216,11 +216,7 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
     source = model_cfg.source
     if source == "builtin":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download for the built-in model
-<<<<<<< HEAD
-        return str(materialise_builtin(_plain(model_cfg.builtin), cache, str(model_cfg.name)))
-=======
-        return str(materialise_builtin(plain(model_cfg.builtin), cache))
->>>>>>> main
+        return str(materialise_builtin(plain(model_cfg.builtin), cache, str(model_cfg.name)))
     if source == "random_init":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return str(materialise_random_init(plain(model_cfg.random_init), cache, str(model_cfg.name)))
