@@ -73,6 +73,40 @@ def test_gemma3_trainable_stop_token_is_learnt_with_the_adapter(root: Path) -> N
     assert p > 0.5, p  # the most likely token (LoRA alone: at most 1/64)
 
 
+def test_trls_fused_head_trains_the_tied_rows_through_the_merged_view(root: Path) -> None:
+    """SFTTrainer scores with TRL's fused LM head, which reads lm_head.weight/bias: through the view it gets the
+    merged rows (the same log-probs as the wrapper's own forward, a gradient for the trained row); without it the
+    wrapped head has no bias and TRL stops (AttributeError)."""
+    from peft import get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from reprotune.trainable_tokens import merged_head_view
+
+    cfg = _cfg(root, [STOP])
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
+    model = load_base_model(model_dir, cfg, "cpu", "float32", None)
+    add_fused_lm_head(model)  # as SFTTrainer does, before PEFT wraps the model
+    model = get_peft_model(model, lora_config(cfg, tokenizer))
+    stop = tokenizer.convert_tokens_to_ids(STOP)
+    with torch.no_grad():  # trained values that differ from the base row
+        for p in model.parameters():
+            if p.requires_grad and p.shape[0] == 1:
+                p.add_(0.5)
+    ids = torch.tensor([[5, 17, 300, 42, stop, 901, 12, stop]])
+    with pytest.raises(AttributeError, match="bias"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+    with merged_head_view(model) as wrapped:
+        assert wrapped
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        (-out.log_probs.sum()).backward()
+    reference = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert torch.allclose(out.log_probs[0], reference, atol=1e-4)
+    delta = [p for n, p in model.named_parameters() if "trainable_tokens_delta" in n]
+    assert len(delta) == 1 and delta[0].grad is not None and float(delta[0].grad.abs().sum()) > 0
+    assert type(model.get_output_embeddings()).__name__ == "TrainableTokensWrapper"  # given back
+
+
 def test_an_unknown_trainable_token_is_one_line(root: Path) -> None:
     cfg = _cfg(root, ["<end_of_turn>"])  # not a token of SmolLM2's tokenizer
     tokenizer = load_tokenizer(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
