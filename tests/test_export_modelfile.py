@@ -125,3 +125,24 @@ def test_a_template_that_is_not_fixed_wrapping_is_refused(template: str, why: st
     tokenizer.chat_template = template
     with pytest.raises(ReprotuneError, match=f"{why}.*write the Ollama TEMPLATE by hand"):
         probe(tokenizer)
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["user", "system+user", "multi-turn"])
+def test_gemma3_template_with_the_system_in_the_first_user_turn_renders_in_go_like_hf(
+        render_go: Path, conversation: list[dict], tmp_path: Path) -> None:
+    """Gemma 3's real template (the gemma3_270m preset's) folds a system message into the first user turn: the Go
+    template reassembles that for Ollama exactly."""
+    from transformers import AutoTokenizer
+
+    from reprotune.config import compose
+    from reprotune.modelfile import go_template
+    from reprotune.models import resolve_model_dir
+
+    cfg = compose(["model=tiny_random"])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model, cfg.paths.model_cache))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = (REPO / compose(["model=gemma3_270m"]).model.chat_template).read_text()
+    pieces = probe(tokenizer)
+    assert pieces.system_in_first_user
+    expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert ollama_render(render_go, go_template(pieces), conversation, None, tmp_path) == expected

@@ -262,8 +262,9 @@ def test_activation_coefficients_match_autograd(mode: str) -> None:
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_every_preset_is_planned_on_cpu(model: str, method: str, tmp_path: Path) -> None:
     prepared = write_prepared(tmp_path / "prepared", [200, 300, 480] * 10)
+    shape = ["train.per_device_train_batch_size=4", "data.max_length=512"]  # whatever a preset's own defaults
     cfg = compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
-                   f"paths.outputs={tmp_path / 'out'}"])
+                   f"paths.outputs={tmp_path / 'out'}", *shape])
     out = sz_report.make_plan(cfg)
     mem = out["memory"]
     parts = mem["parts_gib"]
@@ -275,7 +276,7 @@ def test_every_preset_is_planned_on_cpu(model: str, method: str, tmp_path: Path)
     # the GPU fast path packs: 4 rows of up to max_length; unpacked, 4 examples padded to the longest (480)
     assert mem["tokens_per_micro_batch"] == 4 * 512 and out["settings"]["packing"]
     unpacked = sz_report.make_plan(compose([f"model={model}", f"method={method}", f"paths.prepared={prepared}",
-                                       "train.packing=false"]))
+                                            "train.packing=false", *shape]))
     assert unpacked["memory"]["tokens_per_micro_batch"] == 4 * 480
     json.dumps(out)  # plan.json is plain JSON
 

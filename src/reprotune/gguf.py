@@ -99,15 +99,30 @@ def load_vocab(path: Path):
         return _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
 
 
-def check_loads_cleanly(path: Path) -> dict[str, Any]:
-    """Load the GGUF's vocabulary with llama.cpp and fail on any warning that it degrades generation."""
+def accepted_control_tokens(model_cfg: Any, tokenizer: Any) -> frozenset[tuple[int, str]]:
+    """model.llama_cpp_control_tokens: the (id, text) tokens whose control-looking warning a preset accepts, each
+    checked against the HF tokenizer (the same id spells the same text there), so the exception names one token of
+    one vocabulary and nothing else."""
+    accepted = set()
+    for item in model_cfg.get("llama_cpp_control_tokens") or []:
+        token_id, text = int(item["id"]), str(item["text"])
+        if tokenizer.convert_ids_to_tokens(token_id) != text:
+            raise ReprotuneError(f"model '{model_cfg.name}': model.llama_cpp_control_tokens: id {token_id} is "
+                                 f"{tokenizer.convert_ids_to_tokens(token_id)!r} in the tokenizer, not {text!r}")
+        accepted.add((token_id, text))
+    return frozenset(accepted)
+
+
+def check_loads_cleanly(path: Path, accepted: frozenset[tuple[int, str]] = frozenset()) -> dict[str, Any]:
+    """Load the GGUF's vocabulary with llama.cpp and fail on any warning that it degrades generation (but the
+    control-looking-token warnings of the `accepted` (id, text) tokens)."""
     from llama_cpp import _internals, llama_cpp
 
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
     with llamacpp.captured_log() as lines:
         vocab = _internals.LlamaModel(path_model=str(path), params=params, verbose=True)
-    bad = llamacpp.degrading_warnings(lines)
+    bad = llamacpp.degrading_warnings(lines, accepted)
     if bad:
         raise ReprotuneError(f"gguf: llama.cpp warns about {path.name}: {bad[0]}")
     eog = eog_ids(vocab)
@@ -291,7 +306,8 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     t0 = time.time()
     convert(src, merged, tmp / base_name, outtype)
     timing["convert_seconds"] = round(time.time() - t0, 2)
-    load = check_loads_cleanly(tmp / base_name)
+    accepted = accepted_control_tokens(cfg.model, tokenizer)
+    load = check_loads_cleanly(tmp / base_name, accepted)
     eog = load["eog_ids"]
     gen_eos = json.loads((merged / "generation_config.json").read_text()).get("eos_token_id")
     missing = [e for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []) if e not in eog]
@@ -307,7 +323,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         t0 = time.time()
         quantize(tmp / base_name, tmp / f"model-{quant}.gguf", quant, n_threads)
         timing[f"quantize_{quant}_seconds"] = round(time.time() - t0, 2)
-        check_loads_cleanly(tmp / f"model-{quant}.gguf")
+        check_loads_cleanly(tmp / f"model-{quant}.gguf", accepted)
         files[quant] = f"model-{quant}.gguf"
 
     # 3. parity: template + token ids (hard), greedy answers (reported)

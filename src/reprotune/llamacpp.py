@@ -96,9 +96,23 @@ def captured_log(on_line: Callable[[int, str], None] | None = None) -> Iterator[
 WARN, ERROR = 3, 4
 
 
-def degrading_warnings(lines: list[tuple[int, str]]) -> list[str]:
-    """Lines in which llama.cpp says generation will be wrong (matched at any level: the phrases are specific)."""
-    return sorted({text.strip() for _, text in lines if any(w in text for w in DEGRADING_WARNINGS)})
+# "control-looking token: %6d '%s' was not control-type; ... its type will be overridden" (src/llama-vocab.cpp):
+# a token whose text is on llama.cpp's list of end-of-turn spellings becomes a control, end-of-generation token
+CONTROL_LOOKING = re.compile(r"control-looking token:\s+(\d+) '(.*)' was not control-type")
+
+
+def control_looking(text: str) -> tuple[int, str] | None:
+    """(id, text) of the token a control-looking-token warning names, else None."""
+    match = CONTROL_LOOKING.search(text)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def degrading_warnings(lines: list[tuple[int, str]], accepted: frozenset[tuple[int, str]] = frozenset()
+                       ) -> list[str]:
+    """Lines in which llama.cpp says generation will be wrong (matched at any level: the phrases are specific),
+    but the control-looking-token warnings for exactly the (id, text) tokens in `accepted`."""
+    return sorted({text.strip() for _, text in lines if any(w in text for w in DEGRADING_WARNINGS)
+                   and control_looking(text) not in accepted})
 
 
 def warnings_of(lines: list[tuple[int, str]]) -> list[str]:

@@ -1,7 +1,8 @@
 """An Ollama Modelfile whose TEMPLATE renders exactly what the Hugging Face chat template renders.
 
 Ollama templates are Go text/template, chat templates are Jinja: no general translation exists. But the
-templates of chat models wrap each message in fixed per-role text. We probe the HF template with marker
+templates of chat models wrap each message in fixed per-role text (Gemma 3's folds a leading system message
+into the first user turn instead: the one variation read off too, `system_in_first_user`). We probe the HF template with marker
 contents to read off those pieces (the text before the first system message, before/after each role's
 content, the default system block used when a conversation has none, the generation prompt), check that
 reassembling the pieces reproduces the HF rendering for several conversations, and write them into a Go
@@ -32,6 +33,9 @@ class ChatPieces:
     assistant_begin: str
     assistant_end: str
     generation_prompt: str
+    # Gemma 3: a leading system message opens the first user turn (system_first ends with user_begin) and that
+    # user message then has no user_begin of its own
+    system_in_first_user: bool = False
 
 
 def _between(text: str, left: str, right: str) -> str:
@@ -71,12 +75,14 @@ def probe(tokenizer) -> ChatPieces:
     user_to_assistant = _between(full, U, A)
     assistant_to_user = _between(full, A, U2)
     user_begin = _strip_prefix(assistant_to_user, assistant_end, "assistant end")
-    system_end = system_to_user[: len(system_to_user) - len(user_begin)]
-    if not system_to_user.endswith(user_begin):
+    system_first = full[: full.index(S)]
+    folded = not system_to_user.endswith(user_begin) and system_first.endswith(user_begin)
+    system_end = system_to_user if folded else system_to_user[: len(system_to_user) - len(user_begin)]
+    if not (folded or system_to_user.endswith(user_begin)):
         raise ReprotuneError("modelfile: the chat template opens a user turn differently after a system "
                             "message; write the Ollama TEMPLATE by hand")
     pieces = ChatPieces(
-        system_first=full[: full.index(S)],
+        system_first=system_first,
         system_end=system_end,
         nosystem_first=_strip_prefix(nosys[: nosys.index(U)][::-1], user_begin[::-1], "default system")[::-1],
         user_begin=user_begin,
@@ -84,6 +90,7 @@ def probe(tokenizer) -> ChatPieces:
         assistant_begin=_strip_prefix(user_to_assistant, user_end, "assistant begin"),
         assistant_end=assistant_end,
         generation_prompt=_strip_prefix(with_prompt, ends_user, "generation prompt"),
+        system_in_first_user=folded,
     )
     check_pieces(pieces, render)
     return pieces
@@ -96,7 +103,8 @@ def assemble(pieces: ChatPieces, messages: list[dict], generation: bool) -> str:
         if m["role"] == "system":
             out += [pieces.system_first if i == 0 else "", m["content"], pieces.system_end]
         elif m["role"] == "user":
-            out += [pieces.user_begin, m["content"], pieces.user_end]
+            opens = not (pieces.system_in_first_user and i == 1 and messages[0]["role"] == "system")
+            out += [pieces.user_begin if opens else "", m["content"], pieces.user_end]
         else:
             out += [pieces.assistant_begin, m["content"], pieces.assistant_end]
     if generation and messages[-1]["role"] != "assistant":
@@ -129,12 +137,16 @@ def go_template(p: ChatPieces) -> str:
 
     No whitespace-trimming actions ({{- ... -}}): the pieces' own newlines are part of the format."""
     g = _go_literal
+    user_begin = g(p.user_begin)
+    if p.system_in_first_user:  # the user message right after a leading system message continues its turn
+        user_begin = ('{{ if not (and (eq $i 1) (eq (index $.Messages 0).Role "system")) }}'
+                      f"{user_begin}{{{{ end }}}}")
     return (
         "{{ range $i, $m := .Messages }}"
         f'{{{{ if and (eq $i 0) (ne $m.Role "system") }}}}{g(p.nosystem_first)}{{{{ end }}}}'
         f'{{{{ if eq $m.Role "system" }}}}{{{{ if eq $i 0 }}}}{g(p.system_first)}{{{{ end }}}}'
         f"{{{{ $m.Content }}}}{g(p.system_end)}"
-        f'{{{{ else if eq $m.Role "user" }}}}{g(p.user_begin)}{{{{ $m.Content }}}}{g(p.user_end)}'
+        f'{{{{ else if eq $m.Role "user" }}}}{user_begin}{{{{ $m.Content }}}}{g(p.user_end)}'
         f'{{{{ else if eq $m.Role "assistant" }}}}{g(p.assistant_begin)}{{{{ $m.Content }}}}{g(p.assistant_end)}'
         "{{ end }}"
         '{{ if and (eq (len (slice $.Messages $i)) 1) (ne $m.Role "assistant") }}'

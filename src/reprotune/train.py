@@ -85,14 +85,33 @@ def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], lis
 METHOD_OWN = ("name", "quantization")
 
 
-def lora_config(cfg: DictConfig):
-    """peft.LoraConfig from the method group as it is (target_modules null: the model preset's)."""
+def trainable_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
+    """The ids of model.lora_trainable_tokens: tokens whose embedding rows train with the adapter (PEFT's
+    trainable tokens; a tied head follows). A base model that never learnt its chat template's end-of-turn token
+    (Gemma 3 270M pretrained: <end_of_turn>'s row is a near-copy of thousands of unused ones) cannot learn to stop
+    through LoRA on the projections alone: its head scores that token like all the others."""
+    names = list(cfg.model.get("lora_trainable_tokens") or [])
+    ids = [tokenizer.convert_tokens_to_ids(name) for name in names]
+    unknown = [n for n, i in zip(names, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ReprotuneError(f"model '{cfg.model.name}': model.lora_trainable_tokens: {unknown[0]!r} is not a "
+                             "token of the tokenizer (name a token as the tokenizer spells it, e.g. <end_of_turn>)")
+    return ids
+
+
+def lora_config(cfg: DictConfig, tokenizer=None):
+    """peft.LoraConfig from the method group as it is (target_modules null: the model preset's;
+    trainable_token_indices absent: the ids of the model preset's lora_trainable_tokens, which need the tokenizer)."""
     from peft import LoraConfig
 
     keys = library_keys(cfg.method, METHOD_OWN)
     if keys.get("target_modules") is None:
         keys["target_modules"] = OmegaConf.to_container(cfg.model.lora_target_modules, resolve=True) \
             if OmegaConf.is_config(cfg.model.lora_target_modules) else cfg.model.lora_target_modules
+    if "trainable_token_indices" not in keys and cfg.model.get("lora_trainable_tokens"):
+        if tokenizer is None:
+            raise ValueError("lora_config: model.lora_trainable_tokens needs the tokenizer")
+        keys["trainable_token_indices"] = trainable_token_ids(cfg, tokenizer)
     return LoraConfig(task_type="CAUSAL_LM", **keys)
 
 
@@ -293,7 +312,7 @@ def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: lis
     # a model that already holds the starting adapter (objective.init_adapter) trains it; else a fresh one
     from peft import PeftModel
 
-    peft_config = None if isinstance(model, PeftModel) else lora_config(cfg)
+    peft_config = None if isinstance(model, PeftModel) else lora_config(cfg, tokenizer)
     trainer = obj.trainer_class(model=model, args=obj.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
@@ -324,6 +343,7 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
     from peft.helpers import disable_input_dtype_casting
 
     from reprotune.fused_lora import fused_lora
+    from reprotune.trainable_tokens import merged_head_view
 
     if run.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -332,7 +352,8 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
     # once (bf16 -> fp32 -> bf16 is exact): skipping it computes the same numbers without two copies of each
     # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
     with (disable_input_dtype_casting(trainer.model, active=run.device == "cuda" and run.dtype != "float32"),
-          fused_lora(trainer.model, active=run.fused_lora) as fused_layers):
+          fused_lora(trainer.model, active=run.fused_lora) as fused_layers,
+          merged_head_view(trainer.model)):
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
         apply_liger(trainer.model, active=run.liger)
