@@ -17,7 +17,8 @@ from reprotune.sizing.decide import Hardware, card, decide
 from reprotune.train import METHOD_OWN, TRAIN_OWN, lora_config, sft_config
 
 SRC = Path(__file__).resolve().parents[1] / "src/reprotune"
-GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in ("model", "method", "hardware")}
+GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+          for group in ("model", "method", "hardware", "objective")}
 
 
 def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
@@ -108,11 +109,13 @@ def test_every_key_the_code_reads_is_declared_in_conf() -> None:
     assert ("train", "run", "keep_checkpoints") in paths and ("train", "save_total_limit") in paths  # the reader works
     default = compose([])
     missing = {p for p in paths if not declared([default], p)}
-    # some keys exist in one preset only (model.builtin, method.quantization's keys): try every preset, lazily
-    for model, method, hardware in itertools.product(GROUPS["model"], GROUPS["method"], GROUPS["hardware"]):
+    # some keys exist in one preset only (model.builtin, method.quantization's keys, objective.beta): try every
+    # preset, lazily
+    for objective, model, method, hardware in itertools.product(GROUPS["objective"], GROUPS["model"],
+                                                                GROUPS["method"], GROUPS["hardware"]):
         if not missing:
             break
-        cfg = compose([f"model={model}", f"method={method}", f"hardware={hardware}"])
+        cfg = compose([f"objective={objective}", f"model={model}", f"method={method}", f"hardware={hardware}"])
         missing = {p for p in missing if not declared([cfg], p)}
     assert sorted(".".join(p) for p in missing) == []
 
