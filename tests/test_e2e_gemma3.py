@@ -6,6 +6,7 @@ process). What was measured on the full-size run is in docs/models.md."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,13 @@ import pytest
 
 from .conftest import small_invoices
 
-pytestmark = pytest.mark.slow
+# Opt-in, like the CUDA image (tests/test_docker.py): the run installs ~240 MB of wheels and trains, evaluates,
+# merges and exports a 270M model on the CPU; its stages measured 1,359 + 673 + 225 + 396 s on the shared 2-core
+# box (docs/models.md), more than the whole CI budget of issue #24. Run it with REPROTUNE_E2E_GEMMA=1.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("REPROTUNE_E2E_GEMMA") != "1",
+                                 reason="Gemma 3 270M end to end takes ~45 min on 2 CPU cores: run with "
+                                        "REPROTUNE_E2E_GEMMA=1 (docs/models.md)")]
 
 # the preset's 10 steps of 2 rows (conf/preset/gemma3_270m.yaml; 2 steps did not yet teach <end_of_turn>, 10 did),
 # eval on the first 2 invoices instead of 8, shorter parity
