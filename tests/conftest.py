@@ -21,6 +21,13 @@ from pathlib import Path
 
 import pytest
 
+# Two workers of two OpenMP threads share the two cores: with libgomp's default (active) waiting, a thread that
+# finishes its share spins on its core while the other process's threads wait for it. Measured with a training run
+# beside it: two greedy SmolLM2 generations of 40 tokens took 31-53 s spinning and 6-8 s passive. The wait policy
+# changes how idle threads wait, not how work is split, so the bytes do not move (tests/test_repro_golden.py). It
+# must be set before libgomp loads (the first torch import, here or in a stage's subprocess).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # before anything imports torch: importing reprotune pins the CPU kernels (reprotune/kernels.py) for the tests
 # run in this process; the stages the tests start as subprocesses pin themselves
 import reprotune  # noqa: F401
