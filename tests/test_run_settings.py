@@ -69,8 +69,11 @@ def test_the_preflight_takes_the_plans_pick_and_writes_it(tmp_path: Path) -> Non
     assert describe(run.planned) == GOLDEN["qwen3_8b_random/qlora/long/24"]["pick"] == written["fit"]["24 GB"]["setting"]
     assert written["settings"]["batch_size"] == run.per_device_train_batch_size
     assert any(r.startswith("plan: ") for r in run.reasons)
-    with pytest.raises(SystemExit) as stop:
-        preflight(_cfg("mistral_7b_random", "lora", "huge", tmp_path), d.card("RTX 4090"), None)
+    too_long = compose(["model=mistral_7b_random", "method=lora", "hardware=gpu", "paths.prepared=/nonexistent",
+                        f"paths.root={tmp_path}", "train.max_length=262144", "train.per_device_train_batch_size=1",
+                        "train.gradient_accumulation_steps=1"])
+    with pytest.raises(SystemExit) as stop:  # (32k fits since issue #27: offloaded, the MLP in tiles)
+        preflight(too_long, d.card("RTX 4090"), None)
     assert stop.value.code == 2
 
 

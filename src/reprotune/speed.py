@@ -73,13 +73,22 @@ def recomputed_share(model_config: Any, fast: RunSettings) -> float:
     return checkpointed_layers(layers, fast.checkpoint_every_n_layers) / layers
 
 
-def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: float) -> float:
+def mlp_flops_per_token(model_config: Any) -> float:
+    """Forward FLOPs of the decoder layers' MLPs per token (gate, up, down)."""
+    c = model_config
+    return 2.0 * c.num_hidden_layers * 3 * c.hidden_size * c.intermediate_size
+
+
+def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: float,
+                              tiled_mlp: bool = False) -> float:
     """FLOPs per token of a LoRA/QLoRA training step on a frozen base: forward, the input-gradient half of the
-    backward (frozen weights need no weight gradient), attention backward ~2x its forward, and one more forward
-    for the recomputed share of the layers. The adapters' own FLOPs (rank 16) are under 1% and left out."""
+    backward (frozen weights need no weight gradient), attention backward ~2x its forward, one more forward
+    for the recomputed share of the layers, and with the tiled MLP (reprotune.tiled_mlp) one more MLP forward in
+    every layer's backward. The adapters' own FLOPs (rank 16) are under 1% and left out."""
     dense = matmul_flops_per_token(model_config)
     attn = attention_flops_per_token(model_config, mean_example_tokens)
-    return (2 + float(recompute)) * dense + (3 + float(recompute)) * attn
+    tiles = mlp_flops_per_token(model_config) if tiled_mlp else 0.0
+    return (2 + float(recompute)) * dense + (3 + float(recompute)) * attn + tiles
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF16_FLOPS) -> float:

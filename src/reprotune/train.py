@@ -343,6 +343,7 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
     from peft.helpers import disable_input_dtype_casting
 
     from reprotune.fused_lora import fused_lora
+    from reprotune.tiled_mlp import tiled_mlp
     from reprotune.trainable_tokens import merged_head_view
 
     if run.device == "cuda":
@@ -357,7 +358,10 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
         apply_liger(trainer.model, active=run.liger)
-        trainer.train(resume_from_checkpoint=resume_from)
+        with tiled_mlp(trainer.model, run.tiled_mlp_tokens) as tiled_layers:  # after Liger: it wraps Liger's MLP
+            if tiled_layers:
+                log.info("MLP over %d-token tiles in %d layers", run.tiled_mlp_tokens, tiled_layers)
+            trainer.train(resume_from_checkpoint=resume_from)
     return time.time() - started
 
 
@@ -387,7 +391,8 @@ def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, tr
     cuda = run.device == "cuda"
     steady = timer.steady_tokens_per_second()
     step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, n_rows),
-                                                 speed.recomputed_share(trainer.model.config, run))
+                                                 speed.recomputed_share(trainer.model.config, run),
+                                                 tiled_mlp=run.tiled_mlp_tokens > 0)
     trained = int(trainer.state.num_input_tokens_seen) - tokens_before
     return {"wall_seconds": round(wall, 2), "train_seconds": round(train_seconds, 2),
             "tokens_per_second": round(trained / train_seconds, 1) if train_seconds else None,
@@ -395,7 +400,19 @@ def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, tr
             "mfu": round(speed.mfu(steady, step_flops), 4) if steady and cuda else None,
             "flops_per_token": round(step_flops), "step_seconds": timer.step_seconds(),
             "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-            "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
+            "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
+            "pinned_host_gib": pinned_host_gib() if cuda and run.activation_offloading else None}
+
+
+def pinned_host_gib() -> dict[str, float] | None:
+    """Peaks of torch's caching host allocator (pinned memory, where offloaded activations wait), GiB by key."""
+    import torch
+
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    return {k: round(v / 2**30, 2) for k, v in stats.items() if "bytes" in k and "peak" in k}
 
 
 def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, resume_from: str | None,

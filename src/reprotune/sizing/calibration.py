@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, replace
+from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,11 @@ def measured_run(model_name: str, s: Settings, data: DataShape | None) -> dict[s
     if data is None:
         return None
     wanted = json.loads(json.dumps(asdict(s)))  # as stored: tuples become lists
+    defaults = {f.name: f.default for f in fields(Settings) if f.default is not MISSING}
     for e in load_calibration():
         mean = e.get("data_shape", {}).get("mean_tokens") or 0
-        if (e.get("plan_model") == model_name and e.get("plan_settings") == wanted
+        stored = {**defaults, **e["plan_settings"]} if e.get("plan_settings") else None  # older rows lack new keys
+        if (e.get("plan_model") == model_name and stored == wanted
                 and abs(mean - data.mean_tokens) <= 0.02 * mean and (e.get("measured") or {}).get("tokens_per_second")
                 and not e.get("tokens_per_second_outlier")):
             return e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -27,7 +28,7 @@ from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, quantization
 from reprotune.preference import is_preference
 from reprotune.runtime import attention, resolve_dtype
-from reprotune.sizing.fit import describe, fit_to_budget, fitting_setting
+from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import GIB, Settings, memory_budget, needed_bytes
 from reprotune.sizing.shape import (
     DataShape,
@@ -50,6 +51,7 @@ class Hardware:
     world_size: int = 1
     # torch's FlashAttention varlen kernel (torch >= 2.10 on sm80+: every card of conf/plan/throughput.yaml)
     varlen_attention: bool = True
+    host_available_bytes: float | None = None  # host memory offloaded activations may take (None: not checked)
 
 
 def card(gpu: str, world_size: int = 1) -> Hardware:
@@ -71,7 +73,20 @@ def detect(device: str) -> Hardware:
 
     return Hardware(device="cuda", free_bytes=float(torch.cuda.mem_get_info()[0]),
                     name=torch.cuda.get_device_name(), liger_installed=liger_available(), world_size=world,
-                    varlen_attention=varlen_attention.available() and torch.cuda.get_device_capability() >= (8, 0))
+                    varlen_attention=varlen_attention.available() and torch.cuda.get_device_capability() >= (8, 0),
+                    host_available_bytes=host_available_bytes(world))
+
+
+def host_available_bytes(processes: int = 1) -> float | None:
+    """This host's available memory (/proc/meminfo's MemAvailable), shared by the processes of the run."""
+    try:
+        lines = Path("/proc/meminfo").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 / max(1, processes)
+    return None
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,8 @@ class RunSettings:
     dynamic_shapes: bool             # torch.compile traces symbolic sequence lengths from the first call
     activation_checkpointing: bool
     checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
+    activation_offloading: bool      # TRL's: the checkpointed layer inputs wait in pinned host memory
+    tiled_mlp_tokens: int            # the MLP over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
     per_device_train_batch_size: int
     gradient_accumulation_steps: int  # of one process keeping the global batch alone (the fitted value)
     world_size: int
@@ -107,6 +124,24 @@ class RunSettings:
 
 def _auto(value: Any) -> bool:
     return value is None or value == "auto"
+
+
+def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bool | None]:
+    """hardware.activation_offloading and hardware.tiled_mlp: True/False when set, None when auto (the fit
+    decides on CUDA; off elsewhere). TRL's train.activation_offloading, passed through by hand, counts as set."""
+    h = cfg.hardware
+    offload = h.get("activation_offloading", "auto")
+    if cfg.train.get("activation_offloading") is not None:
+        offload = bool(cfg.train.activation_offloading)
+    offload = None if _auto(offload) else bool(offload)
+    tiled = h.get("tiled_mlp", "auto")
+    tiled = None if _auto(tiled) else bool(tiled)
+    if offload and device != "cuda":
+        raise PlanError(f"hardware.activation_offloading=true: TRL's activation offloading moves GPU tensors to "
+                        f"host memory and this run is on {device} (use hardware=gpu, or leave it auto)")
+    if device != "cuda":
+        offload, tiled = False, bool(tiled)
+    return offload, tiled
 
 
 @dataclass(frozen=True)
@@ -152,6 +187,7 @@ def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
     quant = quantization(cfg) or {}
     ckpt = cfg.hardware.gradient_checkpointing
     attn = p.attn or "sdpa"
+    offload, tiled = long_context_switches(cfg, "cuda")  # forced on: in the view; auto: the fit adds them
     return Settings(method=str(method.name), load_in_4bit=bool(quant.get("load_in_4bit", False)),
                     double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
                     dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
@@ -161,7 +197,13 @@ def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
                     # varlen_attention keeps what flex attention keeps for backward (q, k, v, out, lse): one rule
                     eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
-                    ckpt_every=every_n_layers(cfg))
+                    ckpt_every=every_n_layers(cfg), offload=bool(offload),
+                    tiled_mlp=tile_tokens(cfg) if tiled else 0)
+
+
+def tile_tokens(cfg: DictConfig) -> int:
+    """hardware.tiled_mlp_tokens, else the fit's tile (reprotune.sizing.fit.TILE_TOKENS)."""
+    return int(cfg.hardware.get("tiled_mlp_tokens") or TILE_TOKENS)
 
 
 def configured_settings(cfg: DictConfig, hw: Hardware | None = None) -> Settings:
@@ -189,28 +231,40 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     planned = _memory_view(cfg, p) if shape else None
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt, every = cfg.hardware.gradient_checkpointing, every_n_layers(cfg)
+    offload, tiled = long_context_switches(cfg, hw.device)
+    tile = tile_tokens(cfg) if tiled else 0
     budget = predicted = fallback = fallback_gib = None
     fits = True
     if hw.device == "cuda" and planned is not None:
         consts = load_table("memory.yaml")
         budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
-        planned, predicted = fit_to_budget(planned, not _auto(ckpt), shape, data, budget, consts)
-        fits = needed_bytes(predicted, consts) <= hw.free_bytes
+        planned, predicted = fit_to_budget(planned, not _auto(ckpt), shape, data, budget, consts, offload, tiled,
+                                           hw.host_available_bytes)
+        fits = (needed_bytes(predicted, consts) <= hw.free_bytes
+                and fits_host(predicted, hw.host_available_bytes))
         if not fits:
             found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
-                                    hw.free_bytes / GIB, consts)
+                                    hw.free_bytes / GIB, consts, offload, tiled, hw.host_available_bytes)
             fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
         if _auto(ckpt):
             rows, accum, ckpt, every = planned.batch_size, planned.grad_accum, planned.checkpointing, planned.ckpt_every
             reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
                            f"{budget / GIB:.1f} GiB budget")
+        offload, tile = planned.offload, planned.tiled_mlp
+        if offload:
+            reasons.append(f"activation offloading: {predicted['host_offload_gib']} GiB of pinned host memory"
+                           + (f" of {hw.host_available_bytes / GIB:.1f} GiB available"
+                              if hw.host_available_bytes else ""))
+        if tile:
+            reasons.append(f"MLP in {tile}-token tiles: its intermediates live for one tile at a time")
     ckpt = False if _auto(ckpt) else bool(ckpt)  # off CUDA nothing is fitted: auto is off
     strategy = distributed.strategy(cfg, hw.world_size)
     process_accum, batch_line = distributed.global_batch(cfg, rows, accum, hw.world_size)
     return RunSettings(method=str(cfg.method.name), device=hw.device, dtype=p.dtype, packing=p.packing,
                        attn_implementation=p.attn, liger=p.liger, fused_lora=p.fused,
                        dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
-                       checkpoint_every_n_layers=every if ckpt else 1, per_device_train_batch_size=rows,
+                       checkpoint_every_n_layers=every if ckpt else 1, activation_offloading=bool(offload),
+                       tiled_mlp_tokens=tile, per_device_train_batch_size=rows,
                        gradient_accumulation_steps=accum, world_size=hw.world_size, strategy=strategy,
                        process_accumulation=process_accum, global_batch=batch_line, budget_bytes=budget,
                        planned=planned, predicted=predicted, fits=fits, fallback=fallback,

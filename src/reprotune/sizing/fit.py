@@ -11,6 +11,23 @@ from reprotune.sizing.shape import DataShape, Shape, count_params, load_table
 from reprotune.sizing.throughput import model_tokens_per_second
 
 PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing and all layers
+# The MLP tile of the long-context fallback (reprotune.tiled_mlp): Liger's and DeepSpeed's TiledMLP default, a
+# tile as long as the model is wide (seqlen / hidden shards), rounded to a fixed size so the plan knows it
+TILE_TOKENS = 4096
+
+
+def long_context_options(s: Settings) -> list[Settings]:
+    """Every layer checkpointed, then the layer inputs offloaded to host memory (no cost measured: 64k tokens,
+    8B QLoRA, H200: 2,969 tok/s without, 2,955 with), then also the MLP over tiles (one more MLP forward per
+    layer in the backward): smallest last."""
+    full = replace(s, checkpointing=True, ckpt_every=1)
+    return [full, replace(full, offload=True), replace(full, offload=True, tiled_mlp=TILE_TOKENS)]
+
+
+def allowed(cands: list[Settings], offload: bool | None, tiled: bool | None) -> list[Settings]:
+    """The candidates hardware.activation_offloading / hardware.tiled_mlp allow (None: auto, either)."""
+    return [c for c in cands if (offload is None or c.offload == offload)
+            and (tiled is None or bool(c.tiled_mlp) == tiled)]
 
 
 # More tokens per micro-step amortise its fixed per-layer costs (kernel launches, PEFT's Python, NF4 dequantisation:
@@ -30,8 +47,9 @@ def rebatched(s: Settings) -> list[Settings]:
 
 def checkpointing_options(s: Settings) -> list[Settings]:
     """No checkpointing, every n-th layer, every layer: fastest to smallest at these rows."""
-    return ([replace(s, checkpointing=False)] + [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
-            + [replace(s, checkpointing=True, ckpt_every=1)])
+    return ([replace(s, checkpointing=False, offload=False, tiled_mlp=0)]
+            + [replace(s, checkpointing=True, ckpt_every=n, offload=False, tiled_mlp=0) for n in PARTIAL_EVERY]
+            + long_context_options(s))
 
 
 def same_method_candidates(s: Settings) -> list[Settings]:
@@ -44,14 +62,15 @@ def same_method_candidates(s: Settings) -> list[Settings]:
 def candidate_settings(s: Settings) -> list[Settings]:
     """From fastest to smallest: no checkpointing, every n-th layer checkpointed, every layer, smaller
     micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
-    ladder = [replace(s, checkpointing=False)]
+    plain = replace(s, offload=False, tiled_mlp=0)
+    ladder = [replace(plain, checkpointing=False)]
     # some layers before all of them (8B QLoRA, 4 rows, H200: none 10,282 tok/s, every 4th layer 7,753,
     # every layer 6,376)
-    ladder += [replace(s, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
-    ladder.append(replace(s, checkpointing=True, ckpt_every=1))
+    ladder += [replace(plain, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
+    ladder += long_context_options(plain)  # every layer, then offloaded, then the tiled MLP (issue #27)
     for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:
-        ladder.append(replace(s, checkpointing=True, ckpt_every=1, batch_size=bs,
-                              grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
+        ladder += long_context_options(replace(plain, batch_size=bs,
+                                               grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
     if not s.load_in_4bit:
         q = replace(s, method="qlora", load_in_4bit=True, double_quant=True)
         ladder += [replace(c, method="qlora", load_in_4bit=True, double_quant=True) for c in ladder if
@@ -59,14 +78,20 @@ def candidate_settings(s: Settings) -> list[Settings]:
     return ladder
 
 
+def fits_host(mem: dict[str, Any], host_bytes: float | None) -> bool:
+    """Offloaded activations fit the host's available memory (None: unknown, a described card: not checked)."""
+    return host_bytes is None or mem["host_offload_gib"] * GIB <= host_bytes
+
+
 def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None, capacity_bytes: float,
-                    consts: dict[str, Any], throughput: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
-    """Of the candidates whose card need fits, the one the throughput model predicts fastest (the earlier one on
-    a tie); None when none fits."""
+                    consts: dict[str, Any], throughput: dict[str, Any],
+                    host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]] | None:
+    """Of the candidates whose card need (and host need, offloaded) fits, the one the throughput model predicts
+    fastest (the earlier one on a tie); None when none fits."""
     best = None
     for cand in cands:
         mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
-        if needed_bytes(mem, consts) > capacity_bytes:
+        if needed_bytes(mem, consts) > capacity_bytes or not fits_host(mem, host_bytes):
             continue
         tps = model_tokens_per_second(shape, cand, data, throughput)
         if best is None or tps > best[0]:
@@ -75,25 +100,30 @@ def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None,
 
 
 def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
-                    consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]] | None:
+                    consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
+                    host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]] | None:
     """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
-    candidate_settings' ladder), else of the ladder's QLoRA fallback."""
+    candidate_settings' ladder), else of the ladder's QLoRA fallback; offload/tiled: as fastest_fitting's."""
     throughput = load_table("throughput.yaml")
     for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
-        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput)
+        found = fastest_fitting(shape, allowed(cands, offload, tiled), data, capacity_gib * GIB, consts, throughput,
+                                host_bytes)
         if found:
             return found
     return None
 
 
 def fit_to_budget(s: Settings, forced: bool, shape: Shape, data: DataShape | None, budget_bytes: float,
-                  consts: dict[str, Any]) -> tuple[Settings, dict[str, Any]]:
+                  consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
+                  host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]]:
     """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
     global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
-    else the ladder's smallest; `s` as it is when checkpointing is forced (hardware.gradient_checkpointing)."""
-    cands = [s] if forced else same_method_candidates(s)
+    else the ladder's smallest; `s` as it is when checkpointing is forced (hardware.gradient_checkpointing).
+    offload/tiled: hardware.activation_offloading / hardware.tiled_mlp when set (None: auto); host_bytes: the
+    host memory offloading may take (None: not checked)."""
+    cands = [s] if forced else allowed(same_method_candidates(s), offload, tiled)
     if not forced:
-        found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"))
+        found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"), host_bytes)
         if found:
             return found
     last = cands[-1]
@@ -106,8 +136,10 @@ def checkpointing_words(checkpointing: bool, every: int) -> str:
 
 def describe(s: Settings) -> str:
     tokens = f"{s.batch_size}x{s.max_length} packed" if s.packing else f"bs {s.batch_size}"
-    return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}, "
-            f"{tokens}, grad-accum {s.grad_accum}")
+    long = (", activations offloaded to host" if s.offload else "") + (f", MLP in {s.tiled_mlp}-token tiles"
+                                                                       if s.tiled_mlp else "")
+    return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}"
+            f"{long}, {tokens}, grad-accum {s.grad_accum}")
 
 
 def overrides_for(s: Settings, base: Settings) -> list[str]:
@@ -117,6 +149,10 @@ def overrides_for(s: Settings, base: Settings) -> list[str]:
     out.append(f"hardware.gradient_checkpointing={str(s.checkpointing).lower()}")
     if s.checkpointing and s.ckpt_every > 1:
         out.append(f"++train.activation_checkpointing_kwargs.every_n_layers={s.ckpt_every}")
+    if s.offload != base.offload:
+        out.append(f"hardware.activation_offloading={str(s.offload).lower()}")
+    if bool(s.tiled_mlp) != bool(base.tiled_mlp):
+        out.append(f"hardware.tiled_mlp={str(bool(s.tiled_mlp)).lower()}")
     if s.batch_size != base.batch_size:
         out += [f"train.per_device_train_batch_size={s.batch_size}", f"train.gradient_accumulation_steps={s.grad_accum}"]
     return out

@@ -35,6 +35,9 @@ class Settings:
     liger: bool = False       # Liger's fused RMSNorm/SwiGLU/RoPE
     input_casts: bool = False  # PEFT's per-adapter input casts (train.py disables them under bf16 autocast)
     ckpt_every: int = 1       # with checkpointing: every n-th decoder layer (transformers' every_n_layers)
+    # long context (issue #27), both only with every layer checkpointed:
+    offload: bool = False     # TRL's activation offloading: the checkpointed layer inputs wait in pinned host memory
+    tiled_mlp: int = 0        # the MLP runs over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
 
 
 def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
@@ -64,35 +67,56 @@ def adapter_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
     return p.trainable * (per * (2 + consts["optimizer"]["states_per_param"]) + autocast_copy)
 
 
-def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) -> float:
-    """Bytes per token that one decoder layer keeps for backward (no checkpointing)."""
+def layer_activation_parts(shape: Shape, s: Settings, consts: dict[str, Any]) -> tuple[float, float]:
+    """Bytes per token that one decoder layer keeps for backward (no checkpointing): (all but the MLP's
+    intermediate-wide tensors, the MLP's intermediate-wide tensors)."""
     a = consts["activations"]
     c = a["input_casts" if s.input_casts and not s.load_in_4bit else "no_input_casts"]
-    per_token = c["h_coef"] * shape.hidden + c["i_coef"] * shape.intermediate + c["kv_coef"] * shape.kv_dim
+    per_token = c["h_coef"] * shape.hidden + c["kv_coef"] * shape.kv_dim
+    wide = c["i_coef"] * shape.intermediate
     if s.liger:
-        per_token += a["liger"]["h_delta"] * shape.hidden + a["liger"]["i_delta"] * shape.intermediate
+        per_token += a["liger"]["h_delta"] * shape.hidden
+        wide += a["liger"]["i_delta"] * shape.intermediate
     if s.mask_repeats_kv:
         per_token += a["gqa_mask_coef"] * (shape.q_dim - shape.kv_dim)
     if shape.qk_norm:  # q_norm/k_norm keep their input (+ an fp32 copy without Liger's RMSNorm)
         qk = a["qk_norm"]
         per_token += (qk["coef"] + (qk["liger_delta"] if s.liger else 0.0)) * (shape.q_dim + shape.kv_dim)
-    return per_token * s.dtype_bytes / 2
+    return per_token * s.dtype_bytes / 2, wide * s.dtype_bytes / 2
+
+
+def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) -> float:
+    """Bytes per token that one decoder layer keeps for backward (no checkpointing)."""
+    return sum(layer_activation_parts(shape, s, consts))
+
+
+def mlp_tokens(s: Settings, tokens: int) -> int:
+    """Tokens whose MLP intermediates are alive at once: a tile of them with the tiled MLP (a tile per row)."""
+    return min(tokens, s.tiled_mlp * s.batch_size) if s.tiled_mlp else tokens
 
 
 def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, Any]) -> dict[str, float]:
     """Activations of the largest micro-batch, with and without checkpointing, and the backward transients."""
     a = consts["activations"]
-    layer = layer_activation_bytes(shape, s, consts) * tokens
+    narrow, wide = layer_activation_parts(shape, s, consts)
+    layer = (narrow + wide) * tokens
+    # the tiled MLP (reprotune.tiled_mlp) keeps no intermediates: a recomputed layer's live for one tile at a time
+    recompute = narrow * tokens + wide * mlp_tokens(s, tokens)
     base = a["base_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
     rows = s.batch_size
     seq = tokens // max(rows, 1)
     eager_layer = rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
-    backward = (a["backward_h_coef"] * shape.hidden + a["backward_i_coef"] * shape.intermediate) * tokens
+    backward = (a["backward_h_coef"] * shape.hidden * tokens
+                + a["backward_i_coef"] * shape.intermediate * mlp_tokens(s, tokens))
+    kept_input = a["checkpointed_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2  # one layer's bf16 input
+    # offloaded, the layer inputs wait in host memory; the GPU holds the few in flight (TRL's forward stash, the
+    # backward's prefetch)
+    on_gpu = a["offload"]["live_layers"] if s.offload else shape.layers
     return {
         "no_checkpointing": shape.layers * (layer + eager_layer) + base,
-        "checkpointing": shape.layers * a["checkpointed_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
-        + base,
-        "recompute_layer": layer + eager_layer,
+        "checkpointing": on_gpu * kept_input + base,
+        "offloaded_host": shape.layers * kept_input if s.offload else 0.0,
+        "recompute_layer": recompute + eager_layer,
         "backward_transient": backward * s.dtype_bytes / 2,
     }
 
@@ -137,6 +161,8 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
             "peak_allocated_bytes": allocated, "peak_gib": round(allocated / GIB, 2),
             "reserved_gib": round(reserved / GIB, 2),
             "card_gib": round((reserved + o["cuda_context_gib"] * GIB) / GIB, 2),
+            "host_offload_gib": round(act["offloaded_host"] * consts["activations"]["offload"]["host_over_offloaded"]
+                                      / GIB, 2),
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
 
 

@@ -58,14 +58,17 @@ class StepWork:
     step: MicroStep
     layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
     recomputed: int      # checkpointed (recomputed) layers
+    offloaded_bytes: float = 0.0  # layer inputs copied to host and back per micro-step (activation offloading)
 
 
 def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
     k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     step = micro_step(s, data)
-    flops = speed.lora_step_flops_per_token(as_model_config(shape), step.context, k / shape.layers)
+    flops = speed.lora_step_flops_per_token(as_model_config(shape), step.context, k / shape.layers,
+                                            tiled_mlp=bool(s.tiled_mlp))
+    offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
     return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, step=step,
-                    layer_passes=2 * shape.layers + k, recomputed=k)
+                    layer_passes=2 * shape.layers + k, recomputed=k, offloaded_bytes=offloaded)
 
 
 def overhead_terms(w: StepWork) -> dict[str, float]:
@@ -93,8 +96,12 @@ def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]
 
     ms = {key: n * const(key) for key, n in overhead_terms(w).items() if n}
     gemm_ms = sum(v for k, v in ms.items() if k.endswith("gemm_time_factor"))
+    # offloading copies on its own CUDA streams, overlapped with compute: it costs only what outlasts the step
+    # (each byte crosses the host link twice: out in the forward, back in the backward)
+    transfer_ms = 2e3 * w.offloaded_bytes / (float(m["offload_gb_per_s"]) * 1e9)
+    stall_ms = max(0.0, transfer_ms - sum(ms.values()))
     return {"gemm": gemm_ms / 1e3 / w.step.counted,
-            "overhead": (sum(ms.values()) - gemm_ms) / 1e3 / w.step.counted}
+            "overhead": (sum(ms.values()) - gemm_ms + stall_ms) / 1e3 / w.step.counted}
 
 
 def model_tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, throughput: dict[str, Any]) -> float:

@@ -1,0 +1,201 @@
+"""Long context on the GPU this runs on: `reprotune.train` on examples of a given length, one example per
+micro-step, with what it kept on the GPU and the host next to what `make plan` predicted (issue #27).
+
+    python bench/long_context.py --runs qlora@16384 qlora@65536+offload qlora@98304+offload+tiled
+    python bench/long_context.py --runs lora@262144+offload+tiled --steps 1     # peak memory only
+    python bench/long_context.py --runs qlora@98304+offload+tiled+strict qlora@98304+offload+tiled+strict#2
+    python bench/long_context.py --longest qlora --budget-gib 22               # the longest length that fits
+
+A run is METHOD@TOKENS[+offload][+tiled][+strict][#N]: every layer checkpointed (hardware.gradient_checkpointing=
+true, what every long run needs), TRL's activation offloading and the tiled MLP on exactly when named (forced, so
+the measurement is of that setting), repro=strict when named, #N a repeat. Data: seed-shaped chat examples
+(bench/seed_recipe.py's words; user 25-50% of the tokens, the rest the answer) of exactly TOKENS tokens with the
+model's chat template. Each run is its own process; the table gives steady tokens/s (steps after the first two;
+with --steps 1 or 2 none), peak allocated / reserved GPU memory, pinned host memory, and the preflight's
+prediction. --longest doubles the length from 16k while the plan says it fits the budget, then runs the longest
+planned length and steps down by an eighth until a run stays within the budget (reserved + CUDA context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from seed_recipe import SYSTEM, _n_tokens, _words  # noqa: E402
+
+
+def long_examples(tokenizer, n: int, tokens: int, seed: int = 0) -> list[dict]:
+    """n chat examples of at most, and within a few tokens of, `tokens` tokens (rendered with the chat template)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        user_share = rng.uniform(0.25, 0.5)
+        user = _words(rng, max(8, int(tokens * user_share / 1.5)))
+        answer = _words(rng, max(8, int(tokens * (1 - user_share) / 1.2)))  # longer than needed: cut below
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user},
+                    {"role": "assistant", "content": answer}]
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        lo, hi = 4, len(ids)  # the longest answer prefix whose example fits `tokens`
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            messages[2]["content"] = tokenizer.decode(ids[:mid]).strip()
+            lo, hi = (mid, hi) if _n_tokens(tokenizer, messages) <= tokens else (lo, mid - 1)
+        messages[2]["content"] = tokenizer.decode(ids[:lo]).strip()
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_data(root: Path, model_dir: str, n: int, tokens: int) -> dict:
+    """The examples as prepare writes them (train.jsonl, holdout.jsonl, and the report.json lengths the plan
+    reads: its assistant share sizes the loss head)."""
+    from transformers import AutoTokenizer
+
+    prepared = root / "data" / "prepared"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if not (prepared / "report.json").is_file():
+        rows = long_examples(tok, n, tokens)
+        prepared.mkdir(parents=True, exist_ok=True)
+        (prepared / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (prepared / "holdout.jsonl").write_text(json.dumps(rows[0]) + "\n")
+        lengths = [_n_tokens(tok, r["messages"]) for r in rows]
+        train = {"n": len(lengths), "min": min(lengths), "max": max(lengths), "total": sum(lengths),
+                 "mean": sum(lengths) / len(lengths), "model": "bench/long_context.py"}
+        (prepared / "report.json").write_text(json.dumps({"tokens": {"train": train}, "max_length": tokens,
+                                                          "examples": {"overlong": {"count": 0}}}))
+    return json.loads((prepared / "report.json").read_text())["tokens"]["train"]
+
+
+def parse(run: str) -> tuple[str, int, set[str]]:
+    spec, _, _repeat = run.partition("#")
+    head, *flags = spec.split("+")
+    method, _, tokens = head.partition("@")
+    return method, int(tokens), set(flags)
+
+
+def run_overrides(method: str, tokens: int, flags: set[str], steps: int) -> list[str]:
+    out = [f"method={method}", "hardware=gpu", f"data.max_length={tokens}", f"train.max_steps={steps}",
+           "train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=1", "train.logging_steps=1",
+           "train.save_steps=100000", "train.run.resume=never", "hardware.gradient_checkpointing=true",
+           f"hardware.activation_offloading={'offload' in flags}".lower(),
+           f"hardware.tiled_mlp={'tiled' in flags}".lower()]
+    return out + (["repro=strict"] if "strict" in flags else [])
+
+
+def ours(model: str, root: Path, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "reprotune.train", f"model={model}", f"paths.root={root}", *overrides]
+    print("+", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd)
+    if done.returncode:
+        return {"failed": done.returncode}
+    manifest = json.loads((root / "outputs/train/manifest.json").read_text())
+    t, rs = manifest["timing"], manifest["run_settings"]
+    plan = json.loads((root / "outputs/train/plan.json").read_text())["memory"] or {}
+    return {"steady_tokens_per_s": t["steady_tokens_per_second"], "tokens_per_s": t["tokens_per_second"],
+            "mfu": t["mfu"], "peak_gib": t["peak_gpu_memory_gib"], "reserved_gib": t["peak_gpu_reserved_gib"],
+            "pinned_host_gib": t.get("pinned_host_gib"), "step_seconds": t["step_seconds"],
+            "planned_peak_gib": plan.get("peak_gib"), "planned_reserved_gib": plan.get("reserved_gib"),
+            "planned_host_gib": plan.get("host_offload_gib"),
+            "offload": rs["activation_offloading"], "tiled_mlp": rs["tiled_mlp_tokens"],
+            "adapter_sha256": manifest["outputs"]["adapter"]["sha256"]}
+
+
+def planned(model: str, method: str, tokens: int, budget_gib: float, extra: list[str]) -> dict:
+    """What make plan says of this length on a card of budget_gib (the fit free to choose)."""
+    from reprotune.config import compose
+    from reprotune.sizing import decide as d
+    from reprotune.sizing.fit import describe
+
+    cfg = compose([f"model={model}", f"method={method}", "hardware=gpu", "paths.prepared=/nonexistent",
+                   f"data.max_length={tokens}", "train.per_device_train_batch_size=1",
+                   "train.gradient_accumulation_steps=1", f"hardware.memory_budget_gib={budget_gib}", *extra])
+    run = d.decide(cfg, d.Hardware(device="cuda", free_bytes=budget_gib * 2**30, name="budget"), None, None)
+    return {"fits": run.fits, "setting": describe(run.planned), "peak_gib": run.predicted["peak_gib"],
+            "card_gib": run.predicted["card_gib"], "offload": run.planned.offload, "tiled": run.planned.tiled_mlp}
+
+
+def longest(args, model_dir: str) -> dict:
+    method, budget = args.longest, args.budget_gib
+    extra = [o for o in args.overrides if o.startswith("model.")]
+    tokens, best = 16384, None
+    while tokens <= 1 << 20 and planned(args.model, method, tokens, budget, extra)["fits"]:
+        best, tokens = tokens, tokens * 2
+    lo = best or 16384
+    hi = tokens
+    while hi - lo > 4096:  # bisect the plan between the last fitting and the first refused power of two
+        mid = (lo + hi) // 2 // 1024 * 1024
+        lo, hi = (mid, hi) if planned(args.model, method, mid, budget, extra)["fits"] else (lo, mid)
+    length, results = lo, {}
+    while length >= 4096:
+        plan = planned(args.model, method, length, budget, extra)
+        flags = {f for f, on in (("offload", plan["offload"]), ("tiled", plan["tiled"])) if on}
+        root = args.out / f"longest-{method}-{length}"
+        write_data(root, model_dir, 2, length)
+        r = ours(args.model, root, [*run_overrides(method, length, flags, 2), *args.overrides,
+                                    f"hardware.memory_budget_gib={budget}"])
+        results[length] = {**r, "plan": plan}
+        print(json.dumps({length: results[length]}), flush=True)
+        if "failed" not in r and r["reserved_gib"] + 0.6 <= budget:
+            return {"longest": length, "runs": results}
+        length = (length - length // 8) // 1024 * 1024
+    return {"longest": None, "runs": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="*", default=["qlora@16384", "qlora@65536+offload",
+                                                      "qlora@98304+offload+tiled"])
+    parser.add_argument("--model", default="qwen3_8b_random")  # Qwen3ForCausalLM, 8.19 B, random weights
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--longest", choices=["lora", "qlora", "dora"], help="find the longest fitting length")
+    parser.add_argument("--budget-gib", type=float, default=22.0, help="card budget for --longest (24 GB: 22)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/long_context"))
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+
+    from reprotune.config import compose
+    from reprotune.models import resolve_model_dir
+
+    cfg = compose([f"model={args.model}", *[o for o in args.overrides if o.startswith("model.")]])
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.longest:
+        found = longest(args, model_dir)
+        (args.out / "longest.json").write_text(json.dumps(found, indent=1))
+        print(f"\n{args.model} {args.longest}: longest context within {args.budget_gib} GiB: {found['longest']}")
+        return
+    results = {}
+    for run in args.runs:
+        method, tokens, flags = parse(run)
+        root = args.out / run.replace("@", "-").replace("+", "-").replace("#", "-")
+        stats = write_data(root, model_dir, args.steps, tokens)
+        results[run] = {**ours(args.model, root, [*run_overrides(method, tokens, flags, args.steps),
+                                                  *args.overrides]), "data": stats}
+        print(json.dumps({run: results[run]}), flush=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    print_table(args.model, results)
+
+
+def print_table(model: str, results: dict) -> None:
+    print(f"\n{model}, one example per micro-step, every layer checkpointed\n")
+    print("| run | tokens/s (steady) | peak GiB alloc / reserved | pinned host GiB | planned peak / reserved "
+          "| planned host GiB | adapter sha256 |\n|---|---|---|---|---|---|---|")
+    for run, r in results.items():
+        if "failed" in r:
+            print(f"| {run} | failed (exit {r['failed']}) | | | | | |")
+            continue
+        host = r.get("pinned_host_gib") or {}
+        print(f"| {run} | {r['steady_tokens_per_s'] or 0:,.0f} | {r['peak_gib']} / {r['reserved_gib']} | "
+              f"{max(host.values()) if host else '-'} | {r['planned_peak_gib']} / {r['planned_reserved_gib']} | "
+              f"{r['planned_host_gib']} | {r['adapter_sha256'][:16]} |")
+
+
+if __name__ == "__main__":
+    main()
