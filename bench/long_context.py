@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from seed_recipe import SYSTEM, _n_tokens, _words  # noqa: E402
+from seed_recipe import SYSTEM, _n_tokens, _words, release_gpu_memory  # noqa: E402
 
 
 def long_examples(tokenizer, n: int, tokens: int, seed: int = 0) -> list[dict]:
@@ -165,6 +165,7 @@ def main() -> None:
 
     cfg = compose([f"model={args.model}", *[o for o in args.overrides if o.startswith("model.")]])
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    release_gpu_memory()  # a random-init model is built on the GPU; the runs below must find all of it free
     args.out.mkdir(parents=True, exist_ok=True)
     if args.longest:
         found = longest(args, model_dir)
