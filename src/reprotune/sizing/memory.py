@@ -4,6 +4,7 @@ may take of a card. No torch."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +91,21 @@ def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) ->
     return sum(layer_activation_parts(shape, s, consts))
 
 
+def host_offload_bytes(shape: Shape, kept_input: float, consts: dict[str, Any]) -> float:
+    """Pinned host memory of offloaded activations: every layer input (and a few tensors around the layers), each
+    a block of torch's caching host allocator, which rounds a request up to a power of two; plus what the
+    training process itself holds in host memory."""
+    o = consts["activations"]["offload"]
+    block = 2 ** math.ceil(math.log2(max(kept_input, 1.0)))
+    return (shape.layers + o["host_extra_tensors"]) * block + o["host_process_gib"] * GIB
+
+
 def mlp_tokens(s: Settings, tokens: int) -> int:
-    """Tokens whose MLP intermediates are alive at once: a tile of them with the tiled MLP (a tile per row)."""
-    return min(tokens, s.tiled_mlp * s.batch_size) if s.tiled_mlp else tokens
+    """Tokens whose MLP intermediates are alive at once: a tile of them with the tiled MLP (tiles cut the
+    sequence axis: of the one flattened row of a padding-free packed batch, of every row of a padded one)."""
+    if not s.tiled_mlp:
+        return tokens
+    return min(tokens, s.tiled_mlp if s.packing else s.tiled_mlp * s.batch_size)
 
 
 def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, Any]) -> dict[str, float]:
@@ -108,6 +121,9 @@ def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, A
     eager_layer = rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
     backward = (a["backward_h_coef"] * shape.hidden * tokens
                 + a["backward_i_coef"] * shape.intermediate * mlp_tokens(s, tokens))
+    # a recomputed layer frees its MLP's saved tensors as its backward goes: less of both is alive at once
+    recompute_backward = backward - ((a["backward_i_coef"] - a["recomputed_backward_i_coef"]) * shape.intermediate
+                                     * mlp_tokens(s, tokens))
     kept_input = a["checkpointed_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2  # one layer's bf16 input
     # offloaded, the layer inputs wait in host memory; the GPU holds the few in flight (TRL's forward stash, the
     # backward's prefetch)
@@ -115,9 +131,10 @@ def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, A
     return {
         "no_checkpointing": shape.layers * (layer + eager_layer) + base,
         "checkpointing": on_gpu * kept_input + base,
-        "offloaded_host": shape.layers * kept_input if s.offload else 0.0,
+        "offloaded_host": host_offload_bytes(shape, kept_input, consts) if s.offload else 0.0,
         "recompute_layer": recompute + eager_layer,
         "backward_transient": backward * s.dtype_bytes / 2,
+        "recomputed_backward_transient": recompute_backward * s.dtype_bytes / 2,
     }
 
 
@@ -142,7 +159,8 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
     k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     if k == shape.layers:
         # backward: the loss head first, then one layer at a time is recomputed next to the saved layer inputs
-        dynamic = act["checkpointing"] + max(lm, act["recompute_layer"] + act["backward_transient"]) + dequant
+        dynamic = (act["checkpointing"] + max(lm, act["recompute_layer"] + act["recomputed_backward_transient"])
+                   + dequant)
     elif k == 0:
         dynamic = act["no_checkpointing"] + lm + act["backward_transient"] + dequant
     else:  # every n-th layer keeps its input only; a recomputed layer may meet the loss head's buffers
@@ -150,7 +168,11 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
         dynamic = kept + max(lm, act["recompute_layer"]) + act["backward_transient"] + dequant
     allocated = static + dynamic
     o = consts["overhead"]
-    reserved = allocated * o["reserved_over_allocated"]
+    # offloading's copies back to the GPU are allocated on its own stream, whose cached blocks the compute stream
+    # cannot reuse: more reserved per allocated byte, most beside the whole MLP's large intermediates
+    ratio = (o["reserved_over_allocated"] if not s.offload else
+             o["offloaded_reserved_over_allocated"]["tiled_mlp" if s.tiled_mlp else "whole_mlp"])
+    reserved = allocated * ratio
     parts = {"weights": weight_bytes(p, s, consts), "adapter_optimizer_grads": adapter_bytes(p, s, consts),
              "activations_checkpointing": act["checkpointing"] + act["recompute_layer"],
              "activations_no_checkpointing": act["no_checkpointing"],
@@ -161,8 +183,7 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
             "peak_allocated_bytes": allocated, "peak_gib": round(allocated / GIB, 2),
             "reserved_gib": round(reserved / GIB, 2),
             "card_gib": round((reserved + o["cuda_context_gib"] * GIB) / GIB, 2),
-            "host_offload_gib": round(act["offloaded_host"] * consts["activations"]["offload"]["host_over_offloaded"]
-                                      / GIB, 2),
+            "host_offload_gib": round(act["offloaded_host"] / GIB, 2),
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
 
 

@@ -55,6 +55,7 @@ class StepWork:
     path: str            # "fast" or "unfused" (code_path)
     qlora: bool
     flops: float         # FLOPs per computed token (reprotune.speed's count, recompute included)
+    attention_flops: float  # of which attention's (QK^T and PV: grows with the context, runs in its own kernels)
     step: MicroStep
     layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
     recomputed: int      # checkpointed (recomputed) layers
@@ -64,10 +65,11 @@ class StepWork:
 def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
     k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     step = micro_step(s, data)
-    flops = speed.lora_step_flops_per_token(as_model_config(shape), step.context, k / shape.layers,
-                                            tiled_mlp=bool(s.tiled_mlp))
+    config, recompute = as_model_config(shape), k / shape.layers
+    flops = speed.lora_step_flops_per_token(config, step.context, recompute, tiled_mlp=bool(s.tiled_mlp))
+    attention = (3 + recompute) * speed.attention_flops_per_token(config, step.context)
     offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
-    return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, step=step,
+    return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, attention_flops=attention, step=step,
                     layer_passes=2 * shape.layers + k, recomputed=k, offloaded_bytes=offloaded)
 
 
@@ -75,7 +77,11 @@ def overhead_terms(w: StepWork) -> dict[str, float]:
     """What each constant of throughput.yaml multiplies per micro-step (milliseconds per unit): the GEMM time at
     the measured dense bf16 rate (gemm_time_factor: how much slower the real mix of products runs), and the
     decoder-layer passes, QLoRA's passes and its recomputed layers."""
-    return {f"{w.path}.gemm_time_factor": 1e3 * w.flops * w.step.computed / speed.H200_BF16_FLOPS,
+    dense = w.flops - w.attention_flops
+    return {f"{w.path}.gemm_time_factor": 1e3 * dense * w.step.computed / speed.H200_BF16_FLOPS,
+            # attention's kernels (FlashAttention's varlen, flex) run at their own rate: the long-context runs
+            # of issue #27, where attention is most of the work, set it
+            "attention_time_factor": 1e3 * w.attention_flops * w.step.computed / speed.H200_BF16_FLOPS,
             f"{w.path}.layer_pass_ms": w.layer_passes,
             f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
             "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0}
@@ -95,7 +101,7 @@ def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]
         return float(node)
 
     ms = {key: n * const(key) for key, n in overhead_terms(w).items() if n}
-    gemm_ms = sum(v for k, v in ms.items() if k.endswith("gemm_time_factor"))
+    gemm_ms = sum(v for k, v in ms.items() if k.endswith(("gemm_time_factor", "attention_time_factor")))
     # offloading copies on its own CUDA streams, overlapped with compute: it costs only what outlasts the step
     # (each byte crosses the host link twice: out in the forward, back in the backward)
     transfer_ms = 2e3 * w.offloaded_bytes / (float(m["offload_gb_per_s"]) * 1e9)
