@@ -5,6 +5,7 @@ micro-step, with what it kept on the GPU and the host next to what `make plan` p
     python bench/long_context.py --runs lora@262144+offload+tiled --steps 1     # peak memory only
     python bench/long_context.py --runs qlora@98304+offload+tiled+strict qlora@98304+offload+tiled+strict#2
     python bench/long_context.py --longest qlora --budget-gib 22               # the longest length that fits
+    python bench/long_context.py --cards --model qwen3_8b     # make plan's longest context per card (no GPU)
 
 A run is METHOD@TOKENS[+offload][+tiled][+strict][#N]: every layer checkpointed (hardware.gradient_checkpointing=
 true, what every long run needs), TRL's activation offloading and the tiled MLP on exactly when named (forced, so
@@ -118,7 +119,41 @@ def planned(model: str, method: str, tokens: int, budget_gib: float, extra: list
                    "train.gradient_accumulation_steps=1", f"hardware.memory_budget_gib={budget_gib}", *extra])
     run = d.decide(cfg, d.Hardware(device="cuda", free_bytes=budget_gib * 2**30, name="budget"), None, None)
     return {"fits": run.fits, "setting": describe(run.planned), "peak_gib": run.predicted["peak_gib"],
-            "card_gib": run.predicted["card_gib"], "offload": run.planned.offload, "tiled": run.planned.tiled_mlp}
+            "card_gib": run.predicted["card_gib"], "host_gib": run.predicted["host_offload_gib"],
+            "offload": run.planned.offload, "tiled": run.planned.tiled_mlp}
+
+
+def longest_planned(model: str, method: str, budget_gib: float, extra: list[str]) -> tuple[int, dict] | None:
+    """The longest length (a multiple of 1,024 tokens) the plan fits in budget_gib, and its plan."""
+    lo, hi = 0, 1024
+    while planned(model, method, hi, budget_gib, extra)["fits"] and hi < 1 << 22:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        lo, hi = (mid, hi) if planned(model, method, mid, budget_gib, extra)["fits"] else (lo, mid)
+    return (lo, planned(model, method, lo, budget_gib, extra)) if lo else None
+
+
+def card_table(model: str, extra: list[str]) -> None:
+    """make plan's longest context per card (no GPU needed): the 24 GB card at the kit's own budget (22 GiB of
+    card), the others at 90% of their memory; one example per micro-step, every technique allowed."""
+    from reprotune.sizing.shape import load_tables
+
+    tp = load_tables()["throughput"]
+    print(f"| card | method | longest context (tokens) | setting | peak GiB (alloc) | card GiB | host GiB |\n"
+          "|---|---|---|---|---|---|---|")
+    for size, gpu in tp["cards"].items():
+        if size == 40:
+            continue
+        budget = 22.0 if size == 24 else round(0.9 * tp["gpus"][gpu]["memory_gib"], 1)
+        for method in ("qlora", "lora"):
+            found = longest_planned(model, method, budget, extra)
+            if not found:
+                print(f"| {size} GB | {method} | - | does not fit | | | |")
+                continue
+            tokens, plan = found
+            print(f"| {size} GB ({budget} GiB) | {method} | {tokens:,} | {plan['setting']} | {plan['peak_gib']} | "
+                  f"{plan['card_gib']} | {plan['host_gib']} |")
 
 
 def longest(args, model_dir: str) -> dict:
@@ -156,10 +191,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--longest", choices=["lora", "qlora", "dora"], help="find the longest fitting length")
     parser.add_argument("--budget-gib", type=float, default=22.0, help="card budget for --longest (24 GB: 22)")
+    parser.add_argument("--cards", action="store_true", help="make plan's longest context per card (no GPU)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/long_context"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
 
+    if args.cards:
+        card_table(args.model, [o for o in args.overrides if o.startswith("model.")])
+        return
     from reprotune.config import compose
     from reprotune.models import resolve_model_dir
 

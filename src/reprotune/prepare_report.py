@@ -32,7 +32,8 @@ def overlong_summary(lengths: list[int], overlong: Counter, n_examples: int, max
                 f"reply to fit")
     return (f"prepare: {overlong['dropped']} of {n_examples} examples ({100 * overlong['dropped'] / n_examples:.0f}%) "
             f"dropped as longer than data.max_length={max_length} tokens (p95 {p95}, p99 {p99}); keep them with "
-            f"data.max_length={p99} (or {p95}), or data.overlong=truncate (cuts the last reply to fit)")
+            f"data.max_length={p99} (or {p95}; 'make plan ARGS=\"data.max_length={p99}\"' says what it costs on "
+            f"each card), or data.overlong=truncate (cuts the last reply to fit)")
 
 
 def rejected_bytes(rejected: list[dict]) -> bytes:
