@@ -177,9 +177,13 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"  settings: {s['method']}, checkpointing {checkpointing_words(s['checkpointing'], s['ckpt_every'])} "
              f"(hardware.gradient_checkpointing={s['gradient_checkpointing_setting']}, budget {s['budget_gib']} GiB), "
              f"{'packed ' if s['packing'] else ''}micro-batch {mem['tokens_per_micro_batch']} tokens "
-             f"(bs {s['batch_size']}, max_length {s['max_length']})",
+             f"(bs {s['batch_size']}, max_length {s['max_length']})"
+             + (", activations offloaded to host" if s.get("offload") else "")
+             + (f", MLP in {s['tiled_mlp']}-token tiles" if s.get("tiled_mlp") else ""),
              f"  predicted peak GPU memory: {mem['peak_gib']} GiB allocated, {mem['reserved_gib']} GiB reserved, "
-             f"{mem['card_gib']} GiB on the card",
+             f"{mem['card_gib']} GiB on the card"
+             + (f"; host memory for the offloaded activations: {mem['host_offload_gib']} GiB (pinned)"
+                if mem.get("host_offload_gib") else ""),
              *[f"    {k.replace('_', ' '):32s} {v:8.2f} GiB" for k, v in mem["parts_gib"].items()],
              f"    (checkpointing {'off' if s['checkpointing'] else 'on'} instead: "
              f"{plan['memory_other_checkpointing']['peak_gib']} GiB)",
