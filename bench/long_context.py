@@ -140,7 +140,7 @@ def card_table(model: str, extra: list[str]) -> None:
     from reprotune.sizing.shape import load_tables
 
     tp = load_tables()["throughput"]
-    print(f"| card | method | longest context (tokens) | setting | peak GiB (alloc) | card GiB | host GiB |\n"
+    print("| card | method | longest context (tokens) | setting | peak GiB (alloc) | card GiB | host GiB |\n"
           "|---|---|---|---|---|---|---|")
     for size, gpu in tp["cards"].items():
         if size == 40:
