@@ -126,6 +126,7 @@ def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     keys.update(
         **guarantee_keys(cfg, run, keys, has_val),
         packing=run.packing,
+        activation_offloading=run.activation_offloading,  # TRL's OffloadActivations (long context, issue #27)
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
         chat_template_path=cfg.model.training_chat_template,
         # packed batches hold no padding; unpacked ones are counted without it (pad is often eos)

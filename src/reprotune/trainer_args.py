@@ -49,7 +49,6 @@ def guarantee_keys(cfg: DictConfig, run: RunSettings, keys: dict[str, Any], has_
         fp16=run.dtype == "float16",
         activation_checkpointing=run.activation_checkpointing,
         activation_checkpointing_kwargs=checkpointing_kwargs(keys, run),
-        activation_offloading=run.activation_offloading,  # every TRL config has TRL's OffloadActivations switch
         report_to=[] if report_to in (None, "none") else report_to,
         push_to_hub=False,
         dataloader_num_workers=0,

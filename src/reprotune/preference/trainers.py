@@ -68,6 +68,11 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     keys.update(library_keys(cfg.objective, OBJECTIVE_OWN))
     keys.update(guarantee_keys(cfg, run, keys, has_val))
     keys["include_num_input_tokens_seen"] = "non_padding"  # padded pairs: counted without the padding
+    if "activation_offloading" not in skip:  # DPO's and KTO's configs have TRL's offloading switch, ORPO's not
+        keys["activation_offloading"] = run.activation_offloading
+    elif run.activation_offloading:
+        raise ReprotuneError(f"hardware.activation_offloading=true: TRL's {config_class.__name__} has no "
+                             f"activation offloading (objective={objective_name(cfg)}); leave it auto or false")
     return config_class(**keys)
 
 
