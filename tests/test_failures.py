@@ -187,6 +187,7 @@ def _can_mount_in_a_namespace() -> bool:
 
 @pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs `unshare -rm` (user + mount namespaces) "
                     "to mount a 1 MiB tmpfs")
+@pytest.mark.slow  # a full training or NER pass: the full lane (make test-all, CI); make test stays <= 3 min
 def test_disk_full_under_a_library_write_says_the_bytes_needed(tmp_path: Path) -> None:
     """The full-disk line says what the write needed where the size was known before it (#22): the adapter's
     tensor bytes, next to what is free, on the filesystem that filled up."""

@@ -65,6 +65,7 @@ def test_llama32_1b_random_has_llama3_rope_scaling_and_a_tied_head() -> None:
     assert rope["original_max_position_embeddings"] == 8192
 
 
+@pytest.mark.slow  # a full training or NER pass: the full lane (make test-all, CI); make test stays <= 3 min
 def test_mistral_vocabulary_smaller_than_the_tokenizer_is_one_line(tmp_path: Path) -> None:
     """Mistral-7B's 32,768-row embedding with SmolLM2's 49,152 ids: a CUDA device-side assert on a GPU, one line
     naming the preset and both sizes here, from `python -m reprotune.train`, before any model is built."""

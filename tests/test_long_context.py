@@ -115,6 +115,7 @@ def test_tiled_mlp_restores_the_model(tmp_path: Path) -> None:
     assert not any("forward" in vars(m) for m in mlps)
 
 
+@pytest.mark.slow  # a full training or NER pass: the full lane (make test-all, CI); make test stays <= 3 min
 def test_a_tiled_run_reruns_to_the_same_bytes_and_records_the_tile(workspace: tuple[Path, list[str]]) -> None:
     """A CPU training run with hardware.tiled_mlp=true (tiles of 64 tokens: the invoices are 200-300 long)
     reruns to the same adapter bytes; the manifest says the tile; the loss is the untiled run's to 1e-5."""

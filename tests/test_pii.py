@@ -400,6 +400,7 @@ def test_text_chunks_overlap_at_word_boundaries() -> None:
         assert text[nxt - 1] == " " and (start + len(chunk) == len(text) or text[start + len(chunk)] == " ")
 
 
+@pytest.mark.slow  # a full training or NER pass: the full lane (make test-all, CI); make test stays <= 3 min
 def test_names_found_in_a_text_over_the_ner_limit_even_on_a_chunk_edge(scrubber: Scrubber) -> None:
     from reprotune.pii import NER_CHUNK
 

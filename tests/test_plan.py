@@ -47,9 +47,19 @@ def write_prepared(folder: Path, lengths: list[int], max_length: int = 512, mode
 
 
 # ------------------------------------------------------------------------------ calibration (GPU measurements)
-def test_committed_measurements_are_predicted_within_bounds() -> None:
+@pytest.fixture(scope="module")
+def calibration_rows() -> list[dict]:
+    """Every committed run's predictions and errors, computed once for the module (each composes its config)."""
+    return sz_calibration.calibration_errors(sz_calibration.load_calibration())
+
+
+def _row(rows: list[dict], name: str) -> dict:
+    return next(r for r in rows if r["name"] == name)
+
+
+def test_committed_measurements_are_predicted_within_bounds(calibration_rows: list[dict]) -> None:
     """Every committed H200 measurement: predicted peak within +-10%, never under by more than 5%."""
-    rows = sz_calibration.calibration_errors(sz_calibration.load_calibration())
+    rows = calibration_rows
     assert len(rows) >= 5
     for row in rows:
         assert -0.05 <= row["error"] <= 0.10, row
@@ -62,11 +72,10 @@ ARCHITECTURE_RUNS = ("qwen3-8b-lora-packed-nockpt-16rows", "qwen3-8b-qlora-packe
 
 
 @pytest.mark.parametrize("name", ARCHITECTURE_RUNS)
-def test_real_architectures_are_never_under_predicted(name: str) -> None:
+def test_real_architectures_are_never_under_predicted(name: str, calibration_rows: list[dict]) -> None:
     """On the real architectures the predicted peak is never below the measured one and at most 10% above (the
     q/k norms, 128-dim heads, untied 151,936-row head of Qwen3-8B: -4.3% before they were counted)."""
-    entry = next(e for e in sz_calibration.load_calibration() if e["name"] == name)
-    (row,) = sz_calibration.calibration_errors([entry])
+    row = _row(calibration_rows, name)
     assert 0.0 <= row["error"] <= 0.10, row
 
 
@@ -80,29 +89,23 @@ LONG_RUNS = ("qwen3-8b-qlora-16k-ckpt", "qwen3-8b-qlora-64k-offload", "qwen3-8b-
 
 
 @pytest.mark.parametrize("name", LONG_RUNS)
-def test_long_context_runs_are_never_under_predicted(name: str) -> None:
+def test_long_context_runs_are_never_under_predicted(name: str, calibration_rows: list[dict]) -> None:
     """Peak allocated within 0...+10% of each long run, and the reserved peak (what must fit the card) never
     under what was measured."""
-    entry = next(e for e in sz_calibration.load_calibration() if e["name"] == name)
-    (row,) = sz_calibration.calibration_errors([entry])
+    row = _row(calibration_rows, name)
     assert 0.0 <= row["error"] <= 0.10, row
     if row["measured_reserved_gib"]:
         assert row["predicted_reserved_gib"] >= row["measured_reserved_gib"], row
 
 
-def test_memory_model_is_no_worse_than_committed() -> None:
+def test_memory_model_is_no_worse_than_committed(calibration_rows: list[dict]) -> None:
     """The committed table records each prediction's error; a change to the model that makes the worst or the
     mean error larger fails (update conf/plan/calibration.json with bench/plan_calibrate.py --table --write)."""
     entries = [e for e in sz_calibration.load_calibration() if e.get("measured", {}).get("peak_allocated_gib")]
     committed = [abs(e["error"]) for e in entries]
-    now = [abs(r["error"]) for r in sz_calibration.calibration_errors(entries)]
+    now = [abs(_row(calibration_rows, e["name"])["error"]) for e in entries]
     assert max(now) <= max(committed) + 0.002
     assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
-
-
-@pytest.fixture(scope="module")
-def calibration_rows() -> list[dict]:
-    return sz_calibration.calibration_errors(sz_calibration.load_calibration())
 
 
 def test_committed_throughputs_are_predicted_within_20_percent(calibration_rows: list[dict]) -> None:
@@ -118,12 +121,12 @@ def test_committed_throughputs_are_predicted_within_20_percent(calibration_rows:
     assert not misses, "; ".join(misses)
 
 
-def test_throughput_model_is_no_worse_than_committed() -> None:
+def test_throughput_model_is_no_worse_than_committed(calibration_rows: list[dict]) -> None:
     """The worst and mean tokens/s errors may not grow (bench/plan_calibrate.py --table --write records them)."""
     entries = [e for e in sz_calibration.load_calibration() if e.get("measured", {}).get("tokens_per_second")
                and not e.get("tokens_per_second_outlier")]
     committed = [abs(e["tokens_per_second_error"]) for e in entries]
-    now = [abs(r["tokens_per_second_error"]) for r in sz_calibration.calibration_errors(entries)]
+    now = [abs(_row(calibration_rows, e["name"])["tokens_per_second_error"]) for e in entries]
     assert max(now) <= max(committed) + 0.002, (max(now), max(committed))
     assert sum(now) / len(now) <= sum(committed) / len(committed) + 0.002
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO
 
 # "<file>:<line>: <Category>: <message>", how the warnings module prints
@@ -26,6 +28,7 @@ def run_default_tiny_train(root: Path) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a full training or NER pass: the full lane (make test-all, CI); make test stays <= 3 min
 def test_default_tiny_run_prints_no_deprecation_and_no_install_advice(workspace: tuple[Path, list[str]]) -> None:
     root, _ = workspace
     out = run_default_tiny_train(root)
