@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from reprotune.config import compose
+from reprotune.errors import ReprotuneError
 from reprotune.models import load_base_model, resolve_model_dir
 from reprotune.sizing import decide as d
 from reprotune.sizing.fit import describe
-from reprotune.sizing.shape import PlanError
 from reprotune.tiled_mlp import tiled_mlp
 from reprotune.train import lora_config, train
 
@@ -184,9 +184,22 @@ def test_a_forced_switch_is_kept_and_cpu_offloading_is_one_line() -> None:
     trl_key = _decide(["model=qwen3_8b", "method=qlora", "data.max_length=16384",
                        "+train.activation_offloading=true"], d.card("H200"))
     assert trl_key.activation_offloading  # TRL's own key, passed through by hand, counts as the switch
-    with pytest.raises(PlanError, match="hardware.activation_offloading=true: .* this run is on cpu"):
+    with pytest.raises(ReprotuneError, match="hardware.activation_offloading=true: .* this run is on cpu"):
         d.decide(compose(["model=tiny_random", "hardware=cpu", "hardware.activation_offloading=true"]),
                  d.Hardware("cpu"), None, None)
+
+
+def test_offloading_on_a_cpu_run_is_one_line_through_the_stage(workspace: tuple[Path, list[str]]) -> None:
+    import subprocess
+    import sys
+
+    _, overrides = workspace
+    done = subprocess.run([sys.executable, "-m", "reprotune.train", "model=tiny_random", "hardware=cpu",
+                           "hardware.activation_offloading=true", *overrides], capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in done.stderr.splitlines() if "activation_offloading" in line]
+    assert done.returncode == 2 and len(lines) == 1 and "this run is on cpu" in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 def test_make_plan_names_the_technique(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, quantization
+from reprotune.errors import ReprotuneError
 from reprotune.preference import is_preference
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
@@ -137,8 +138,8 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     tiled = h.get("tiled_mlp", "auto")
     tiled = None if _auto(tiled) else bool(tiled)
     if offload and device != "cuda":
-        raise PlanError(f"hardware.activation_offloading=true: TRL's activation offloading moves GPU tensors to "
-                        f"host memory and this run is on {device} (use hardware=gpu, or leave it auto)")
+        raise ReprotuneError(f"hardware.activation_offloading=true: TRL's activation offloading moves GPU tensors "
+                             f"to host memory and this run is on {device} (use hardware=gpu, or leave it auto)")
     if device != "cuda":
         offload, tiled = False, bool(tiled)
     return offload, tiled
