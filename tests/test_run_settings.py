@@ -2,8 +2,9 @@
 model preset x method x card, and the same as before the decision was made in one place (tests/golden/run_picks.json,
 recorded from the code that had make plan and the preflight decide separately; four 24 GB picks re-recorded after
 the Mistral-7B calibration run moved the Liger SwiGLU rule from -2.0 to -1.8 bytes, all to more checkpointing; the
-45 gemma3_270m rows recorded when that preset was added, from the one decision). No GPU: a described card drives
-the CUDA branch."""
+45 gemma3_270m rows recorded when that preset was added, from the one decision; 42 "long"/"huge" rows re-recorded
+for issue #27, all toward activation offloading and the tiled MLP, 12 of them runs that used to be refused). No GPU:
+a described card drives the CUDA branch."""
 
 from __future__ import annotations
 
