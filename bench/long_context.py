@@ -13,8 +13,8 @@ the measurement is of that setting), repro=strict when named, #N a repeat. Data:
 (bench/seed_recipe.py's words; user 25-50% of the tokens, the rest the answer) of exactly TOKENS tokens with the
 model's chat template. Each run is its own process; the table gives steady tokens/s (steps after the first two;
 with --steps 1 or 2 none), peak allocated / reserved GPU memory, pinned host memory, and the preflight's
-prediction. --longest doubles the length from 16k while the plan says it fits the budget, then runs the longest
-planned length and steps down by an eighth until a run stays within the budget (reserved + CUDA context).
+prediction. --longest asks the plan for the longest length that fits the budget (doubling, then bisecting), runs
+it, and steps down by an eighth until a run stays within the budget (reserved + CUDA context).
 """
 
 from __future__ import annotations
@@ -159,14 +159,8 @@ def card_table(model: str, extra: list[str]) -> None:
 def longest(args, model_dir: str) -> dict:
     method, budget = args.longest, args.budget_gib
     extra = [o for o in args.overrides if o.startswith("model.")]
-    tokens, best = 16384, None
-    while tokens <= 1 << 20 and planned(args.model, method, tokens, budget, extra)["fits"]:
-        best, tokens = tokens, tokens * 2
-    lo = best or 16384
-    hi = tokens
-    while hi - lo > 4096:  # bisect the plan between the last fitting and the first refused power of two
-        mid = (lo + hi) // 2 // 1024 * 1024
-        lo, hi = (mid, hi) if planned(args.model, method, mid, budget, extra)["fits"] else (lo, mid)
+    found = longest_planned(args.model, method, budget, extra)  # the plan's longest; then measured, stepping down
+    lo = found[0] if found else 16384
     length, results = lo, {}
     while length >= 4096:
         plan = planned(args.model, method, length, budget, extra)
