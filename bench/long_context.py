@@ -7,9 +7,9 @@ micro-step, with what it kept on the GPU and the host next to what `make plan` p
     python bench/long_context.py --longest qlora --budget-gib 22               # the longest length that fits
     python bench/long_context.py --cards --model qwen3_8b     # make plan's longest context per card (no GPU)
 
-A run is METHOD@TOKENS[+offload][+tiled][+strict][#N]: every layer checkpointed (hardware.gradient_checkpointing=
+A run is METHOD@TOKENS[xROWS][+offload][+tiled[N]][+strict][#N] (ROWS examples per micro-step, default 1): every layer checkpointed (hardware.gradient_checkpointing=
 true, what every long run needs), TRL's activation offloading and the tiled MLP on exactly when named (forced, so
-the measurement is of that setting), repro=strict when named, #N a repeat. Data: seed-shaped chat examples
+the measurement is of that setting; +tiled8192: tiles of 8,192 tokens), repro=strict when named, #N a repeat. Data: seed-shaped chat examples
 (bench/seed_recipe.py's words; user 25-50% of the tokens, the rest the answer) of exactly TOKENS tokens with the
 model's chat template. Each run is its own process; the table gives steady tokens/s (steps after the first two;
 with --steps 1 or 2 none), peak allocated / reserved GPU memory, pinned host memory, and the preflight's
@@ -75,18 +75,23 @@ def write_data(root: Path, model_dir: str, n: int, tokens: int) -> dict:
 
 
 def parse(run: str) -> tuple[str, int, set[str]]:
+    """METHOD@TOKENS[xROWS][+flag...][#N] -> (method, tokens, flags); rows travel as the flag "rowsN"."""
     spec, _, _repeat = run.partition("#")
     head, *flags = spec.split("+")
     method, _, tokens = head.partition("@")
-    return method, int(tokens), set(flags)
+    tokens, _, rows = tokens.partition("x")
+    return method, int(tokens), set(flags) | ({f"rows{int(rows)}"} if rows else set())
 
 
 def run_overrides(method: str, tokens: int, flags: set[str], steps: int) -> list[str]:
+    rows = next((int(f.removeprefix("rows")) for f in flags if f.startswith("rows")), 1)
     out = [f"method={method}", "hardware=gpu", f"data.max_length={tokens}", f"train.max_steps={steps}",
-           "train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=1", "train.logging_steps=1",
+           f"train.per_device_train_batch_size={rows}", "train.gradient_accumulation_steps=1", "train.logging_steps=1",
            "train.save_steps=100000", "train.run.resume=never", "hardware.gradient_checkpointing=true",
            f"hardware.activation_offloading={'offload' in flags}".lower(),
-           f"hardware.tiled_mlp={'tiled' in flags}".lower()]
+           f"hardware.tiled_mlp={any(f.startswith('tiled') for f in flags)}".lower()]
+    tiles = [f.removeprefix("tiled") for f in flags if f.startswith("tiled") and f != "tiled"]
+    out += [f"hardware.tiled_mlp_tokens={int(tiles[0])}"] if tiles else []  # +tiled8192: tiles of 8,192 tokens
     return out + (["repro=strict"] if "strict" in flags else [])
 
 
@@ -209,7 +214,8 @@ def main() -> None:
     for run in args.runs:
         method, tokens, flags = parse(run)
         root = args.out / run.replace("@", "-").replace("+", "-").replace("#", "-")
-        stats = write_data(root, model_dir, args.steps, tokens)
+        rows = next((int(f.removeprefix("rows")) for f in flags if f.startswith("rows")), 1)
+        stats = write_data(root, model_dir, args.steps * rows, tokens)
         results[run] = {**ours(args.model, root, [*run_overrides(method, tokens, flags, args.steps),
                                                   *args.overrides]), "data": stats}
         print(json.dumps({run: results[run]}), flush=True)

@@ -136,7 +136,7 @@ def test_throughput_constants_are_the_fit_of_the_committed_runs(calibration_rows
     (a new measurement folded into the table without refitting fails here), and all are positive costs."""
     tp = sz_shape.load_table("throughput.yaml")
     fitted = sz_calibration.fit_throughput(sz_calibration.throughput_fit_rows(calibration_rows))
-    assert len(fitted) == 8 and all(v > 0 for v in fitted.values()), fitted
+    assert len(fitted) == 9 and all(v > 0 for v in fitted.values()), fitted
     assert sz_calibration.with_constants(tp, fitted) == tp, fitted
 
 

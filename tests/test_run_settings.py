@@ -3,7 +3,9 @@ model preset x method x card, and the same as before the decision was made in on
 recorded from the code that had make plan and the preflight decide separately; four 24 GB picks re-recorded after
 the Mistral-7B calibration run moved the Liger SwiGLU rule from -2.0 to -1.8 bytes, all to more checkpointing; the
 45 gemma3_270m rows recorded when that preset was added, from the one decision; 42 "long"/"huge" rows re-recorded
-for issue #27, all toward activation offloading and the tiled MLP, 12 of them runs that used to be refused). No GPU:
+for issue #27, all toward activation offloading and the tiled MLP, 12 of them runs that used to be refused; two
+re-recorded when the tiles' own cost was measured (8B Llama-shape LoRA/DoRA, 4x4096 rows, 24 GB: 2 rows without
+offloading instead of 4 offloaded rows in 4,096-token tiles)). No GPU:
 a described card drives the CUDA branch."""
 
 from __future__ import annotations

@@ -203,8 +203,14 @@ def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
 
 
 def tile_tokens(cfg: DictConfig) -> int:
-    """hardware.tiled_mlp_tokens, else the fit's tile (reprotune.sizing.fit.TILE_TOKENS)."""
-    return int(cfg.hardware.get("tiled_mlp_tokens") or TILE_TOKENS)
+    """hardware.tiled_mlp_tokens, else the fit's largest tile (reprotune.sizing.fit.TILE_TOKENS)."""
+    return configured_tile(cfg) or TILE_TOKENS
+
+
+def configured_tile(cfg: DictConfig) -> int | None:
+    """hardware.tiled_mlp_tokens when set: the one tile size the fit may use (None: the fit picks)."""
+    value = cfg.hardware.get("tiled_mlp_tokens")
+    return int(value) if value else None
 
 
 def configured_settings(cfg: DictConfig, hw: Hardware | None = None) -> Settings:
@@ -240,12 +246,13 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         consts = load_table("memory.yaml")
         budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
         planned, predicted = fit_to_budget(planned, not _auto(ckpt), shape, data, budget, consts, offload, tiled,
-                                           hw.host_available_bytes)
+                                           hw.host_available_bytes, configured_tile(cfg))
         fits = (needed_bytes(predicted, consts) <= hw.free_bytes
                 and fits_host(predicted, hw.host_available_bytes))
         if not fits:
             found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
-                                    hw.free_bytes / GIB, consts, offload, tiled, hw.host_available_bytes)
+                                    hw.free_bytes / GIB, consts, offload, tiled, hw.host_available_bytes,
+                                    configured_tile(cfg))
             fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
         if _auto(ckpt):
             rows, accum, ckpt, every = planned.batch_size, planned.grad_accum, planned.checkpointing, planned.ckpt_every

@@ -11,23 +11,38 @@ from reprotune.sizing.shape import DataShape, Shape, count_params, load_table
 from reprotune.sizing.throughput import model_tokens_per_second
 
 PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing and all layers
-# The MLP tile of the long-context fallback (reprotune.tiled_mlp): Liger's and DeepSpeed's TiledMLP default, a
-# tile as long as the model is wide (seqlen / hidden shards), rounded to a fixed size so the plan knows it
-TILE_TOKENS = 4096
+# The MLP tiles of the long-context fallback (reprotune.tiled_mlp), largest first: a larger tile runs faster (fewer
+# recomputed pieces: 8B QLoRA at 96k tokens on the H200, 4,096-token tiles 1,969 tok/s, 8,192 2,000, 16,384 2,012),
+# a smaller one keeps less (Liger's and DeepSpeed's TiledMLP default is about the hidden size, 4,096 for an 8B).
+# The fit weighs both; hardware.tiled_mlp_tokens names one.
+TILE_SIZES = (16384, 4096)
+TILE_TOKENS = TILE_SIZES[0]  # hardware.tiled_mlp=true without hardware.tiled_mlp_tokens
 
 
 def long_context_options(s: Settings) -> list[Settings]:
     """Every layer checkpointed, then the layer inputs offloaded to host memory (no cost measured: 64k tokens,
     8B QLoRA, H200: 2,969 tok/s without, 2,955 with), then also the MLP over tiles (one more MLP forward per
-    layer in the backward): smallest last."""
+    layer in the backward), large tiles before small: smallest last."""
     full = replace(s, checkpointing=True, ckpt_every=1)
-    return [full, replace(full, offload=True), replace(full, offload=True, tiled_mlp=TILE_TOKENS)]
+    # a tile cuts the sequence axis: the one flattened row of a packed micro-step, each row of a padded one; a
+    # tile as long as that changes nothing (reprotune.tiled_mlp runs the MLP whole)
+    sequence = s.batch_size * s.max_length if s.packing else s.max_length
+    return [full, replace(full, offload=True),
+            *[replace(full, offload=True, tiled_mlp=t) for t in TILE_SIZES if t < sequence]]
 
 
-def allowed(cands: list[Settings], offload: bool | None, tiled: bool | None) -> list[Settings]:
-    """The candidates hardware.activation_offloading / hardware.tiled_mlp allow (None: auto, either)."""
-    return [c for c in cands if (offload is None or c.offload == offload)
-            and (tiled is None or bool(c.tiled_mlp) == tiled)]
+def allowed(cands: list[Settings], offload: bool | None, tiled: bool | None,
+            tile: int | None = None) -> list[Settings]:
+    """The candidates hardware.activation_offloading / hardware.tiled_mlp allow (None: auto, either); tile
+    (hardware.tiled_mlp_tokens): the one tile size a tiled candidate may use."""
+    out: list[Settings] = []
+    for c in cands:
+        if (offload is not None and c.offload != offload) or (tiled is not None and bool(c.tiled_mlp) != tiled):
+            continue
+        c = replace(c, tiled_mlp=tile) if tile and c.tiled_mlp else c
+        if c not in out:
+            out.append(c)
+    return out
 
 
 # More tokens per micro-step amortise its fixed per-layer costs (kernel launches, PEFT's Python, NF4 dequantisation:
@@ -101,12 +116,12 @@ def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None,
 
 def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
                     consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
-                    host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]] | None:
+                    host_bytes: float | None = None, tile: int | None = None) -> tuple[Settings, dict[str, Any]] | None:
     """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
     candidate_settings' ladder), else of the ladder's QLoRA fallback; offload/tiled: as fastest_fitting's."""
     throughput = load_table("throughput.yaml")
     for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
-        found = fastest_fitting(shape, allowed(cands, offload, tiled), data, capacity_gib * GIB, consts, throughput,
+        found = fastest_fitting(shape, allowed(cands, offload, tiled, tile), data, capacity_gib * GIB, consts, throughput,
                                 host_bytes)
         if found:
             return found
@@ -115,13 +130,13 @@ def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_
 
 def fit_to_budget(s: Settings, forced: bool, shape: Shape, data: DataShape | None, budget_bytes: float,
                   consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
-                  host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]]:
+                  host_bytes: float | None = None, tile: int | None = None) -> tuple[Settings, dict[str, Any]]:
     """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
     global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
     else the ladder's smallest; `s` as it is when checkpointing is forced (hardware.gradient_checkpointing).
     offload/tiled: hardware.activation_offloading / hardware.tiled_mlp when set (None: auto); host_bytes: the
-    host memory offloading may take (None: not checked)."""
-    cands = [s] if forced else allowed(same_method_candidates(s), offload, tiled)
+    host memory offloading may take (None: not checked); tile: hardware.tiled_mlp_tokens when set."""
+    cands = [s] if forced else allowed(same_method_candidates(s), offload, tiled, tile)
     if not forced:
         found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"), host_bytes)
         if found:

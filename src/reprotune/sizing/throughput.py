@@ -60,6 +60,7 @@ class StepWork:
     layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
     recomputed: int      # checkpointed (recomputed) layers
     offloaded_bytes: float = 0.0  # layer inputs copied to host and back per micro-step (activation offloading)
+    mlp_tiles: int = 0   # tiled MLP pieces run per micro-step (each tile forward in the recompute and the backward)
 
 
 def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
@@ -69,8 +70,10 @@ def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
     flops = speed.lora_step_flops_per_token(config, step.context, recompute, tiled_mlp=bool(s.tiled_mlp))
     attention = (3 + recompute) * speed.attention_flops_per_token(config, step.context)
     offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
+    sequence = step.computed if s.packing else step.computed / s.batch_size  # the tiles split the sequence axis
+    tiles = 2 * shape.layers * math.ceil(sequence / s.tiled_mlp) if s.tiled_mlp and sequence > s.tiled_mlp else 0
     return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, attention_flops=attention, step=step,
-                    layer_passes=2 * shape.layers + k, recomputed=k, offloaded_bytes=offloaded)
+                    layer_passes=2 * shape.layers + k, recomputed=k, offloaded_bytes=offloaded, mlp_tiles=tiles)
 
 
 def overhead_terms(w: StepWork) -> dict[str, float]:
@@ -84,7 +87,8 @@ def overhead_terms(w: StepWork) -> dict[str, float]:
             "attention_time_factor": 1e3 * w.attention_flops * w.step.computed / speed.H200_BF16_FLOPS,
             f"{w.path}.layer_pass_ms": w.layer_passes,
             f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
-            "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0}
+            "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0,
+            "mlp_tile_ms": float(w.mlp_tiles)}
 
 
 def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]:
