@@ -102,3 +102,17 @@ def test_off_cuda_nothing_is_fitted() -> None:
     assert run.dtype == "float32" and run.budget_bytes is None and run.fits
     assert (run.per_device_train_batch_size, run.gradient_accumulation_steps) == \
         (int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps))
+
+
+def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_and_strict_the_eager_one() -> None:
+    """TRL 1.16 pads preference pairs (its padding-free mode is disabled): on CUDA the varlen kernel unpads each
+    row from its mask, so no attention runs over padding; repro=strict keeps the deterministic eager path, and
+    SFT's unpacked rows keep the library default."""
+    def attn(*overrides: str) -> str | None:
+        cfg = compose(["model=qwen3_8b", "hardware=gpu", "paths.prepared=/nonexistent", *overrides])
+        return d.decide(cfg, d.card("H200"), None, None).attn_implementation
+
+    assert attn("objective=dpo") == "varlen_attention"
+    assert attn("objective=kto") == "varlen_attention"
+    assert attn("objective=dpo", "repro=strict") == "eager"
+    assert attn("train.packing=false") is None

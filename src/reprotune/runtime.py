@@ -69,16 +69,20 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False) -> str | None:
+def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False, pairs: bool = False) -> str | None:
     """hardware.attn_implementation, or auto: for packed CUDA runs, torch's FlashAttention varlen kernel where
     the GPU and torch have it (`varlen`: reprotune.varlen_attention, 1.35x flex attention's speed on the H200),
     and flex attention under repro=strict or without it (it computes only the blocks inside each example, and
     its backward is deterministic; varlen's is not); eager under repro=strict unpacked (the fused kernels'
     backward is not deterministic: the measured deterministic path); else None, the library's default (SDPA;
-    on the CPU it takes a packed batch's block-diagonal mask as a dense mask)."""
+    on the CPU it takes a packed batch's block-diagonal mask as a dense mask). `pairs`: a preference objective's
+    padded pairs (TRL 1.16's preference trainers pad; their padding-free mode is disabled): on CUDA the varlen
+    kernel unpads each row from its mask, so no attention is computed over padding."""
     attn = cfg.hardware.get("attn_implementation", "auto")
     if attn not in (None, "auto"):
         return str(attn)
+    if pairs and device == "cuda" and varlen and cfg.repro != "strict":
+        return "varlen_attention"
     if packing and device == "cuda":
         return "varlen_attention" if varlen and cfg.repro != "strict" else "flex_attention"
     return "eager" if cfg.repro == "strict" else None

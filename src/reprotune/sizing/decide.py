@@ -164,7 +164,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     if is_preference(cfg) and packing:  # TRL 1.16's DPOTrainer pads pairs (its padding_free is unavailable)
         packing = False
         reasons.append("packing off: preference pairs are padded (TRL 1.16)")
-    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention)
+    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.get("liger_kernel", "auto")
     if _auto(liger):

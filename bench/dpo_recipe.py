@@ -1,0 +1,219 @@
+"""Plain TRL DPO (the seed guide's style) against `reprotune.train objective=dpo` on the same pairs, in one
+invocation (issue #26).
+
+    python bench/dpo_recipe.py                                   # Qwen3-8B (real architecture), LoRA and QLoRA
+    python bench/dpo_recipe.py --runs trl:lora ours:lora --steps 8 -- model.random_init.tokenizer_dir=/tok
+    python bench/dpo_recipe.py --runs ours:lora+strict ours:lora+strict#2        # repro=strict, twice
+
+(a) `trl:*`: trl.DPOTrainer as a plain script would write it: LoRA r16 alpha 32 dropout 0.05 on all linear
+    layers, batch 4 x grad-accum 4 pairs, max_length 2048, gradient checkpointing, bf16, the reference = the base
+    with the adapter disabled (TRL's default for a PEFT model); `trl:qlora` the same on 4-bit NF4.
+(b) `ours:*`: `python -m reprotune.train objective=dpo` with its GPU defaults (hardware=gpu), the same pairs, batch,
+    learning rate and beta.
+Data: 400 seed-shaped pairs (bench/seed_recipe.py's examples: the system and user turns are the prompt, the
+answer is chosen, a same-length answer of other words rejected); a pair's tokens are counted as the issue does,
+prompt twice: prompt + chosen + prompt + rejected (mean ~1,300). Tokens/s = 16 pairs' tokens per optimizer step
+over the steady steps' mean time (steps after the first two), the same count for both; MFU counts the policy's
+forward and backward and the reference forward (reprotune.speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from seed_recipe import _n_tokens, _words, release_gpu_memory, seed_shaped_examples  # noqa: E402
+
+PAIRS_PER_STEP = 16  # 4 pairs x 4 accumulation, both recipes
+
+
+def seed_shaped_pairs(tokenizer, n: int = 400, seed: int = 0) -> list[dict]:
+    """TRL's conversational pairs: prompt = system + user turn, chosen = the example's answer, rejected = an
+    answer of about the same length in other words."""
+    rng = random.Random(seed + 1)
+    pairs = []
+    for ex in seed_shaped_examples(tokenizer, n, seed):
+        *prompt, answer = ex["messages"]
+        n_answer = len(tokenizer(answer["content"], add_special_tokens=False)["input_ids"])
+        other = tokenizer(_words(rng, n_answer), add_special_tokens=False)["input_ids"][:n_answer]
+        pairs.append({"prompt": prompt, "chosen": [answer],
+                      "rejected": [{"role": "assistant", "content": tokenizer.decode(other).strip()}]})
+    return pairs
+
+
+def pair_tokens(tokenizer, pair: dict) -> int:
+    """prompt + chosen + prompt + rejected, with the chat template (the issue's count)."""
+    return (_n_tokens(tokenizer, pair["prompt"] + pair["chosen"])
+            + _n_tokens(tokenizer, pair["prompt"] + pair["rejected"]))
+
+
+def prepare(out: Path, model: str, overrides: list[str], n: int) -> tuple[str, Path, dict]:
+    from transformers import AutoTokenizer
+
+    from reprotune.config import compose
+    from reprotune.models import resolve_model_dir
+
+    cfg = compose([f"model={model}", *[o for o in overrides if o.startswith("model.")]])
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    release_gpu_memory()
+    data = out / "data" / "prepared" / "train.jsonl"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if not data.is_file():
+        pairs = seed_shaped_pairs(tok, n)
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+        (data.parent / "holdout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs[:8]))
+    lengths = [pair_tokens(tok, json.loads(line)) for line in data.read_text().splitlines()]
+    return model_dir, data, {"pairs": len(lengths), "min": min(lengths), "max": max(lengths),
+                             "mean": sum(lengths) / len(lengths)}
+
+
+def dpo_flops_per_token(model_config, mean_sequence_tokens: float, recompute: float) -> float:
+    """The policy's LoRA step plus the reference's forward (dense and attention), per token."""
+    from reprotune import speed
+
+    forward = speed.matmul_flops_per_token(model_config) + speed.attention_flops_per_token(model_config,
+                                                                                          mean_sequence_tokens)
+    return speed.lora_step_flops_per_token(model_config, mean_sequence_tokens, recompute) + forward
+
+
+def steady(step_seconds: list[float], mean_pair_tokens: float) -> float | None:
+    kept = step_seconds[2:]
+    return PAIRS_PER_STEP * mean_pair_tokens / (sum(kept) / len(kept)) if kept else None
+
+
+# --------------------------------------------------------------------------------------------- (a) plain TRL
+def trl_recipe(model_dir: str, data: Path, method: str, steps: int, result: Path) -> None:
+    import time
+
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from trl import DPOConfig, DPOTrainer
+
+    from reprotune import speed
+
+    dataset = load_dataset("json", data_files=str(data), split="train")
+    quant = ({"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                        bnb_4bit_compute_dtype=torch.bfloat16,
+                                                        bnb_4bit_use_double_quant=True)} if method == "qlora" else {})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map={"": 0}, **quant)
+    peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
+    args = DPOConfig(output_dir=str(result.parent / "out"), max_steps=steps, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=4, learning_rate=5e-5, beta=0.1, max_length=2048,
+                     gradient_checkpointing=True, bf16=True, logging_steps=1, save_strategy="no", report_to=[],
+                     seed=42)
+    timer = speed.step_timer_callback()
+    trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, peft_config=peft_config,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[timer])
+    torch.cuda.reset_peak_memory_stats()
+    started = time.time()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result.write_text(json.dumps({
+        "seconds": time.time() - started, "final_loss": losses[-1], "step_seconds": timer.step_seconds(),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "steps": trainer.state.global_step,
+        "recompute": 1.0}))
+
+
+# ------------------------------------------------------------------------------------------- (b) reprotune
+def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "reprotune.train", "objective=dpo", f"model={model}", f"method={method}",
+           f"paths.root={root}", "hardware=gpu", "data.max_length=2048", f"train.max_steps={steps}",
+           "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=4",
+           "train.learning_rate=5e-5", "objective.beta=0.1", "train.logging_steps=1", "train.save_steps=100000",
+           "train.run.resume=never", *overrides]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    manifest = json.loads((root / "outputs/train/manifest.json").read_text())
+    metrics = json.loads((root / "outputs/train/metrics.json").read_text())
+    t, rs = manifest["timing"], manifest["run_settings"]
+    recompute = 0.0 if not rs["activation_checkpointing"] else 1.0 / rs["checkpoint_every_n_layers"]
+    return {"final_loss": metrics["final_train_loss"], "step_seconds": t["step_seconds"],
+            "peak_gib": t["peak_gpu_memory_gib"], "reserved_gib": t["peak_gpu_reserved_gib"],
+            "steps": metrics["global_step"], "recompute": recompute, "run_settings": rs,
+            "adapter_sha256": manifest["outputs"]["adapter"]["sha256"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="*", default=["trl:lora", "ours:lora", "trl:qlora", "ours:qlora"])
+    parser.add_argument("--model", default="qwen3_8b_random")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/dpo_recipe"))
+    parser.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "DATA", "METHOD", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for the reprotune runs (after --)")
+    args = parser.parse_args()
+    if args.child:
+        model_dir, data, method, result = args.child
+        trl_recipe(model_dir, Path(data), method, args.steps, Path(result))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir, data, stats = prepare(args.out, args.model, args.overrides, args.pairs)
+    print(f"data: {stats['pairs']} pairs, {stats['min']}-{stats['max']} tokens (prompt twice), mean {stats['mean']:.0f}")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    results = {}
+    for run in args.runs:
+        who, spec = run.split(":")
+        spec, _, _repeat = spec.partition("#")
+        method, _, mode = spec.partition("+")
+        root = args.out / run.replace(":", "-").replace("+", "-").replace("#", "-")
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            if who == "trl":
+                result = root / "result.json"
+                subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--child", model_dir, str(data),
+                                method, str(result)], check=True)
+                r = json.loads(result.read_text())
+            else:
+                (root / "data").mkdir(exist_ok=True)
+                if not (root / "data" / "prepared").exists():
+                    (root / "data" / "prepared").symlink_to(data.parent.resolve())
+                r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else [])])
+        except subprocess.CalledProcessError as err:
+            r = {"failed": err.returncode}
+        if "failed" not in r:
+            r["steady_tokens_per_s"] = steady(r["step_seconds"], stats["mean"])
+            flops = dpo_flops_per_token(config, stats["mean"] / 2, r["recompute"])
+            from reprotune import speed
+
+            r["mfu"] = speed.mfu(r["steady_tokens_per_s"], flops) if r["steady_tokens_per_s"] else None
+        results[run] = r
+        print(json.dumps({run: r}), flush=True)
+        (args.out / "results.json").write_text(json.dumps({"data": stats, "results": results}, indent=1))
+    print_table(args.model, args.steps, stats, results)
+
+
+def print_table(model: str, steps: int, stats: dict, results: dict) -> None:
+    print(f"\n{model}, DPO, {steps} optimizer steps of 16 pairs (4 x 4), {stats['pairs']} pairs of mean "
+          f"{stats['mean']:.0f} tokens (prompt twice)\n")
+    print("| run | tokens/s (steady) | MFU | peak GiB (alloc / reserved) | loss at last step | x TRL | adapter sha256 |"
+          "\n|---|---|---|---|---|---|---|")
+    for run, r in results.items():
+        if "failed" in r:
+            print(f"| {run} | failed (exit {r['failed']}) | | | | | |")
+            continue
+        base = results.get("trl:" + run.split(":")[1].split("+")[0].split("#")[0]) or {}
+        ratio = (r["steady_tokens_per_s"] / base["steady_tokens_per_s"]
+                 if base.get("steady_tokens_per_s") and r["steady_tokens_per_s"] else None)
+        print(f"| {run} | {r['steady_tokens_per_s'] or 0:,.0f} | {(r['mfu'] or 0) * 100:.1f}% | "
+              f"{r['peak_gib']:.2f} / {r['reserved_gib']:.2f} | {r['final_loss']:.4f} | "
+              f"{f'{ratio:.2f}x' if ratio else '-'} | {r.get('adapter_sha256', '-')[:16]} |")
+
+
+if __name__ == "__main__":
+    main()
