@@ -35,6 +35,7 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
 HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+PARTIAL_WORD = re.compile(r"\s*\S*$")
 
 
 class FormatError(ValueError):
@@ -102,7 +103,8 @@ def from_trl(rec: dict[str, Any]) -> dict[str, Any]:
     from trl.data_utils import extract_prompt
 
     if isinstance(rec["chosen"], str):
-        row = extract_prompt({"chosen": text(rec["chosen"], "chosen"), "rejected": text(rec["rejected"], "rejected")})
+        row = whole_words(extract_prompt({"chosen": text(rec["chosen"], "chosen"),
+                                          "rejected": text(rec["rejected"], "rejected")}))
     else:
         row = extract_prompt({"chosen": messages(rec["chosen"], "chosen", True),
                               "rejected": messages(rec["rejected"], "rejected", True)})
@@ -111,6 +113,22 @@ def from_trl(rec: dict[str, Any]) -> dict[str, Any]:
     if not row["chosen"] or not row["rejected"]:
         raise FormatError("rejected", "implicit prompt: chosen and rejected are the same conversation")
     return row
+
+
+def whole_words(row: dict[str, str]) -> dict[str, str]:
+    """A text prompt that ends inside a word the two answers share the start of ("...Assistant: D" + "uck..." /
+    "DG...", or "I" + "'m sorry" / " would") gives that partial word back to both answers: TRL's extract_prompt takes the shared leading
+    characters, which cut 41 of 200 Anthropic HH transcripts inside the answer's first word. The texts joined are
+    unchanged; only where the prompt ends moves (back to before the last whitespace)."""
+    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    inside_a_word = bool(prompt) and not prompt[-1].isspace() and (not chosen[:1].isspace() or
+                                                                   not rejected[:1].isspace())
+    if not inside_a_word:
+        return row
+    cut = PARTIAL_WORD.search(prompt).start()
+    if cut == 0:
+        return row
+    return {"prompt": prompt[:cut], "chosen": prompt[cut:] + chosen, "rejected": prompt[cut:] + rejected}
 
 
 def from_openai(rec: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from reprotune.errors import ReprotuneError
 from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
-from reprotune.preference.formats import FORMATS, PairRecord, read_preference_data
+from reprotune.preference.formats import FORMATS, PairRecord, raw_records, read_preference_data
 
 log = logging.getLogger("reprotune.preference")
 ANSWERS = ("chosen", "rejected", "completion")
@@ -66,7 +66,11 @@ def holds_conversations(path: Path) -> bool:
     """The file's first record is an SFT conversation (messages, no KTO label): pairs are derived from it."""
     if not path.is_file():
         return False
-    first = next(iter_jsonl(path), (0, None))[1]
+    if path.suffix == ".json":  # a JSON list (LLaMA-Factory's .json files are indented: not one record a line)
+        records = raw_records(path)
+        first = records[0][1] if records else None
+    else:
+        first = next(iter_jsonl(path), (0, None))[1]
     return isinstance(first, dict) and "messages" in first and "label" not in first
 
 
