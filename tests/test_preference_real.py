@@ -11,7 +11,8 @@ import pytest
 
 from .test_preference import prepared
 
-REAL = Path(__file__).parent / "data" / "real"
+# a folder of its own: bench/pii_quality.py reads every file of data/real/ as SFT data
+REAL = Path(__file__).parent / "data" / "real" / "preference"
 ROLE = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
