@@ -371,3 +371,29 @@ def test_make_eval_on_a_kto_holdout_says_what_is_not_wired_in_one_line(tmp_path:
     (tmp_path / "holdout.jsonl").write_text(json.dumps({"prompt": "a", "completion": " b", "label": True}) + "\n")
     with pytest.raises(ReprotuneError, match=r"holdout.jsonl:1: prompt: make eval's task pass .* KTO rows"):
         read_holdout(tmp_path / "holdout.jsonl")
+
+
+# ----------------------------------------------------------------------------------- tools in preference data
+TOOL_TEMPLATE = f"model.chat_template={Path(__file__).parents[1] / 'conf/chat_templates/qwen2_5_tools.jinja'}"
+
+
+def test_tool_calls_results_and_tools_survive_prepare_and_train_with_dpo(tmp_path: Path) -> None:
+    with pytest.raises(ReprotuneError, match=r"openai_tools.jsonl:1: tools: 2 record\(s\) use tools, but "
+                                             r"model.chat_template \(the tokenizer of tiny_random\) leaves"):
+        prepared(tmp_path, FIX / "openai_tools.jsonl")  # ChatML renders neither the tools nor the calls
+    train, holdout, report = prepared(tmp_path, FIX / "openai_tools.jsonl", TOOL_TEMPLATE, "data.scrub=true",
+                                      "data.pii.names=false", "data.holdout_fraction=0")
+    assert report["pairs"]["train"] == 2 and not holdout
+    paris = next(r for r in train if len(r["prompt"]) == 3)
+    assert [m["role"] for m in paris["prompt"]] == ["user", "assistant", "tool"]
+    assert paris["prompt"][1]["tool_calls"][0] == {"type": "function", "id": "call_1", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert paris["prompt"][2] == {"role": "tool", "content": '{"temp_c": 18, "sky": "cloudy"}', "tool_call_id": "call_1"}
+    assert [t["function"]["name"] for t in json.loads(paris["tools"])] == ["get_weather", "send_mail"]
+    call = json.loads(paris["chosen"][0]["tool_calls"][0]["function"]["arguments"])  # an object in the source
+    assert call["body"] == "Paris: 18 C, cloudy." and call["to"] != "jane.roe@acme-mail.de"
+    assert call["to"] in paris["prompt"][0]["content"]  # one fake for the address in the prompt and in the call
+    assert paris["rejected"] == [a("It is sunny in Paris.")]
+    record = run_train(tmp_path, "objective=dpo", TOOL_TEMPLATE)
+    assert record["objective"]["name"] == "dpo"
+    assert json.loads((tmp_path / "outputs/train/metrics.json").read_text())["global_step"] == 2

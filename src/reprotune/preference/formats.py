@@ -59,16 +59,45 @@ class PairRecord:
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def messages(value: Any, field: str, last_assistant: bool = False) -> list[dict[str, str]]:
-    """A list of {role, content} messages, roles system/user/assistant, contents strings."""
+def sft_checked(check: Any, *args: Any) -> Any:
+    """One of reprotune.formats' checks (the SFT reader's: tool calls, tool results, tool lists, so both read them
+    alike) on one value; its first problem raised as a FormatError."""
+    from reprotune.formats import _Problems, _Reader
+
+    reader = _Reader(_Problems(""))
+    out = check(*args, reader)
+    if reader.problems.items:
+        problem = reader.problems.items[0]
+        raise FormatError(problem.fld, problem.what)
+    return out
+
+
+def tool_message(msg: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant message with tool_calls or a tool result, canonical as the SFT reader makes it (arguments as JSON
+    text, tool_call_id and name kept)."""
+    from reprotune.formats import _message
+
+    role = msg.get("role")
+    return sft_checked(_message, {k: v for k, v in msg.items() if k != "weight"}, role, msg.get("content"), 0, where,
+                       "content")
+
+
+def messages(value: Any, field: str, last_assistant: bool = False) -> list[dict[str, Any]]:
+    """A list of {role, content} messages, roles system/user/assistant, contents strings; assistant tool calls
+    and tool results (role tool) as the SFT reader reads them."""
     if not isinstance(value, list) or not value:
         raise FormatError(field, "expected a non-empty list of messages")
     out = []
     for i, msg in enumerate(value):
+        if isinstance(msg, dict) and (msg.get("role") == "tool" or
+                                      (msg.get("role") == "assistant" and msg.get("tool_calls") is not None)):
+            out.append(tool_message(msg, f"{field}[{i}]"))
+            continue
         if not isinstance(msg, dict) or not isinstance(msg.get("content"), str):
             raise FormatError(f"{field}[{i}]", "expected {role, content} with a string content")
         if msg.get("role") not in ROLES:
-            raise FormatError(f"{field}[{i}].role", f"unknown role {msg.get('role')!r} (system, user, assistant)")
+            raise FormatError(f"{field}[{i}].role", f"unknown role {msg.get('role')!r} (system, user, assistant, "
+                                                    "tool)")
         out.append({"role": msg["role"], "content": msg["content"]})
     if last_assistant and out[-1]["role"] != "assistant":
         raise FormatError(f"{field}[{len(out) - 1}].role", "the answer must be an assistant message")
@@ -95,7 +124,24 @@ def same_kind(row: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- formats
+def with_tools(row: dict[str, Any], value: Any) -> dict[str, Any]:
+    """The row with the record's tool list, canonical as for SFT and kept as JSON text (TRL's "tools" column: it
+    json-loads text, and Arrow would widen a column of differing schemas)."""
+    if value is None or value == []:
+        return row
+    if isinstance(row["prompt"], str):
+        raise FormatError("tools", "tools need conversational rows (a chat template renders them)")
+    from reprotune.formats import _tools
+
+    tools = sft_checked(_tools, value, 0)
+    return {**row, "tools": json.dumps(tools, ensure_ascii=False)} if tools else row
+
+
 def from_trl(rec: dict[str, Any]) -> dict[str, Any]:
+    return with_tools(trl_row(rec), rec.get("tools"))
+
+
+def trl_row(rec: dict[str, Any]) -> dict[str, Any]:
     if "prompt" in rec:
         prompt = text(rec["prompt"], "prompt") if isinstance(rec["prompt"], str) else messages(rec["prompt"], "prompt")
         return same_kind({"prompt": prompt, "chosen": answer(rec["chosen"], "chosen"),
@@ -135,11 +181,13 @@ def from_openai(rec: dict[str, Any]) -> dict[str, Any]:
     body = rec["input"]
     if not isinstance(body, dict) or "messages" not in body:
         raise FormatError("input", "expected an object with a messages list")
-    if body.get("tools"):
-        raise FormatError("input.tools", "tools in preference data are not supported yet")
-    return {"prompt": messages(body["messages"], "input.messages"),
-            "chosen": messages(rec["preferred_output"], "preferred_output", True),
-            "rejected": messages(rec["non_preferred_output"], "non_preferred_output", True)}
+    row = {"prompt": messages(body["messages"], "input.messages"),
+           "chosen": messages(rec["preferred_output"], "preferred_output", True),
+           "rejected": messages(rec["non_preferred_output"], "non_preferred_output", True)}
+    try:
+        return with_tools(row, body.get("tools"))
+    except FormatError as err:
+        raise FormatError(f"input.{err}".split(": ", 1)[0], str(err).split(": ", 1)[1]) from None
 
 
 def sharegpt_turn(turn: Any, field: str) -> dict[str, str]:
@@ -172,6 +220,10 @@ def label(value: Any) -> bool:
 
 
 def from_kto(rec: dict[str, Any]) -> dict[str, Any]:
+    return with_tools(kto_row(rec), rec.get("tools"))
+
+
+def kto_row(rec: dict[str, Any]) -> dict[str, Any]:
     if "messages" in rec:
         conv = messages(rec["messages"], "messages", last_assistant=True)
         if len(conv) < 2:

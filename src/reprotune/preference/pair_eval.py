@@ -77,8 +77,12 @@ def read_pairs(path: Path, max_pairs: int | None = None) -> list[dict[str, Any]]
     return rows
 
 
-def tokenized(tokenizer: Any, prompt: list[dict] | str, answers: list[list[dict] | str]) -> tuple[list[list[int]], int]:
-    """(prompt + answer token ids for each answer, where the answers start), as TRL 1.16 tokenizes a row."""
+def tokenized(tokenizer: Any, prompt: list[dict] | str, answers: list[list[dict] | str], tools: str | None = None
+              ) -> tuple[list[list[int]], int]:
+    """(prompt + answer token ids for each answer, where the answers start), as TRL 1.16 tokenizes a row (its tools,
+    JSON text, passed to the chat template)."""
+    import json
+
     from trl.data_utils import common_prefix_length
 
     if isinstance(prompt, str):
@@ -86,10 +90,9 @@ def tokenized(tokenizer: Any, prompt: list[dict] | str, answers: list[list[dict]
         prompt_ids = tokenizer(text=prompt)["input_ids"]
         full = [tokenizer(text=prompt + (a if a.endswith(eos) else a + eos))["input_ids"] for a in answers]
     else:
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
-        full = [tokenizer.apply_chat_template(prompt + a, tokenize=True, return_dict=True)["input_ids"]
-                for a in answers]
+        kwargs = {"tools": json.loads(tools) if tools else None, "tokenize": True, "return_dict": True}
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs)["input_ids"]
+        full = [tokenizer.apply_chat_template(prompt + a, **kwargs)["input_ids"] for a in answers]
     return full, min(common_prefix_length(prompt_ids, ids) for ids in full)
 
 
@@ -119,7 +122,7 @@ def system_logps(model: Any, tokenizer: Any, rows: list[dict], system: str) -> l
     out = []
     with context:
         for r in rows:
-            full, start = tokenized(tokenizer, r["prompt"], answers_of(r))
+            full, start = tokenized(tokenizer, r["prompt"], answers_of(r), r.get("tools"))
             out.append(tuple(completion_logp(model, ids, start) for ids in full))
     return out
 
