@@ -167,8 +167,9 @@ def whole_words(row: dict[str, str]) -> dict[str, str]:
     characters, which cut 41 of 200 Anthropic HH transcripts inside the answer's first word. The texts joined are
     unchanged; only where the prompt ends moves (back to before the last whitespace)."""
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-    inside_a_word = bool(prompt) and not prompt[-1].isspace() and (not chosen[:1].isspace() or
-                                                                   not rejected[:1].isspace())
+    if not (prompt and chosen and rejected):  # no prompt, or one answer empty: from_trl says so in one line
+        return row
+    inside_a_word = not prompt[-1].isspace() and (not chosen[0].isspace() or not rejected[0].isspace())
     if not inside_a_word:
         return row
     cut = PARTIAL_WORD.search(prompt).start()
