@@ -397,3 +397,17 @@ def test_tool_calls_results_and_tools_survive_prepare_and_train_with_dpo(tmp_pat
     record = run_train(tmp_path, "objective=dpo", TOOL_TEMPLATE)
     assert record["objective"]["name"] == "dpo"
     assert json.loads((tmp_path / "outputs/train/metrics.json").read_text())["global_step"] == 2
+
+
+def test_sharegpt_pairwise_function_call_and_observation_turns_are_tool_messages() -> None:
+    records, _, _ = read_preference_data(FIX / "sharegpt_pairwise_tools.json", "auto", {}, "error")
+    first, second = (r.row for r in records)
+    assert [m["role"] for m in first["prompt"]] == ["user", "assistant", "tool"]
+    assert first["prompt"][1]["tool_calls"] == [{"type": "function", "function": {
+        "name": "convert", "arguments": '{"amount": 100, "from": "USD", "to": "EUR"}'}}]
+    assert first["prompt"][2] == {"role": "tool", "content": '{"result": 92.5}'}
+    assert json.loads(first["tools"])[0] == {"type": "function", "function": {
+        "name": "convert", "description": "Convert currency", "parameters": {"type": "object", "properties": {
+            "amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}}}}}
+    assert second["chosen"][0]["tool_calls"][0]["function"]["name"] == "convert"  # the preferred answer is a call
+    assert second["rejected"] == [a("About 5 USD.")]

@@ -191,12 +191,19 @@ def from_openai(rec: dict[str, Any]) -> dict[str, Any]:
         raise FormatError(f"input.{err}".split(": ", 1)[0], str(err).split(": ", 1)[1]) from None
 
 
-def sharegpt_turn(turn: Any, field: str) -> dict[str, str]:
+def sharegpt_turn(turn: Any, field: str) -> dict[str, Any]:
+    """One turn; LLaMA-Factory's function_call (the value: the call as JSON text) and observation (the tool's
+    result) become an assistant tool call and a tool message, as the SFT reader makes them."""
     if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
         raise FormatError(field, "expected {from, value} with a string value")
+    if turn.get("from") == "function_call":
+        return tool_message({"role": "assistant", "content": "", "tool_calls": turn["value"]}, f"{field}.value")
+    if turn.get("from") == "observation":
+        return {"role": "tool", "content": turn["value"]}
     role = SHAREGPT_ROLES.get(str(turn.get("from")))
     if role is None:
-        raise FormatError(f"{field}.from", f"unknown speaker {turn.get('from')!r} (human, gpt, system)")
+        raise FormatError(f"{field}.from", f"unknown speaker {turn.get('from')!r} (human, gpt, system, "
+                                           "function_call, observation)")
     return {"role": role, "content": turn["value"]}
 
 
@@ -211,7 +218,7 @@ def from_sharegpt_pairwise(rec: dict[str, Any]) -> dict[str, Any]:
     for name, turn in (("chosen", chosen), ("rejected", rejected)):
         if turn["role"] != "assistant":
             raise FormatError(f"{name}.from", "the answer must come from gpt")
-    return {"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}
+    return with_tools({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}, rec.get("tools"))
 
 
 def label(value: Any) -> bool:
