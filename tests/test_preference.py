@@ -287,3 +287,127 @@ def test_make_plan_refuses_a_preference_run_in_one_line(tmp_path: Path) -> None:
 
     with pytest.raises(PlanError, match=r"objective=dpo: preference memory is not modelled yet"):
         make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"]))
+
+
+# ------------------------------------------------------------------------- eval of text pairs and KTO rows
+@pytest.fixture(scope="module")
+def tiny_peft(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """The tiny base with the session's SFT adapter as the 'tuned' system (it differs from the base)."""
+    from reprotune.evaluate import load_model_and_tokenizer
+
+    root = tiny_adapter_run(tmp_path_factory)
+    model, tokenizer, _ = load_model_and_tokenizer(compose(["model=tiny_random", f"paths.root={root}"]), "cpu",
+                                                   "float32")
+    return model, tokenizer
+
+
+def swapped(rows: list[dict]) -> list[dict]:
+    return [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
+
+
+def test_text_pairs_are_tokenized_as_trl_does_and_evaluated(tiny_peft: tuple, tmp_path: Path) -> None:
+    from reprotune.preference import pair_eval
+
+    model, tokenizer = tiny_peft
+    (tmp_path / "holdout.jsonl").write_text((FIX / "trl_standard.jsonl").read_text())
+    rows = pair_eval.read_pairs(tmp_path / "holdout.jsonl")
+    full, start = pair_eval.tokenized(tokenizer, rows[0]["prompt"], [rows[0]["chosen"], rows[0]["rejected"]])
+    assert full[0][:start] == tokenizer(text="The sky is")["input_ids"]  # no chat template on text
+    assert tokenizer.decode(full[0][start:]) == " blue." + tokenizer.eos_token  # TRL appends the EOS
+    metrics, records = pair_eval.preference_eval(model, tokenizer, rows, 0.1, None)
+    assert metrics["pairs"] == 2 and set(metrics) == {"pairs", "beta", "base", "tuned"}
+    assert all(r["base"]["chosen"] < 0 and r["tuned"]["chosen"] != r["base"]["chosen"] for r in records)
+    margins = [0.1 * ((r["tuned"]["chosen"] - r["base"]["chosen"]) - (r["tuned"]["rejected"] - r["base"]["rejected"]))
+               for r in records]
+    assert metrics["tuned"]["reward_margin"] == pytest.approx(sum(margins) / 2, abs=1e-5)
+    flipped, _ = pair_eval.preference_eval(model, tokenizer, swapped(rows), 0.1, None)
+    assert flipped["tuned"]["reward_margin"] == pytest.approx(-metrics["tuned"]["reward_margin"], abs=1e-5)
+    assert flipped["base"]["logp_accuracy"] == 1 - metrics["base"]["logp_accuracy"]
+    assert "| logp_chosen |" in pair_eval.table(metrics)
+
+
+def test_kto_rows_are_evaluated_by_label(tiny_peft: tuple, tmp_path: Path) -> None:
+    from reprotune.preference import pair_eval
+
+    model, tokenizer = tiny_peft
+    records, _, _ = read_preference_data(FIX / "kto.jsonl", "auto", {}, "error")
+    rows = [r.row for r in records]
+    text = [{"prompt": "2+2 =", "completion": " 4", "label": True}, {"prompt": "2+2 =", "completion": " 5",
+                                                                    "label": False}]
+    for i, kind in enumerate((rows, text)):
+        (tmp_path / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kind))
+        assert pair_eval.read_pairs(tmp_path / f"{i}.jsonl") == kind
+    metrics, per_row = pair_eval.preference_eval(model, tokenizer, rows, 0.1, None)
+    assert metrics["kto_rows"] == 4 and metrics["base"]["desirable"] == metrics["base"]["undesirable"] == 2
+    good = [r["base"]["completion"] for r in per_row if r["label"]]
+    assert metrics["base"]["logp_desirable"] == pytest.approx(sum(good) / 2, abs=1e-5)
+    rewards = [0.1 * (r["tuned"]["completion"] - r["base"]["completion"]) for r in per_row]
+    signs = [(x > 0) == r["label"] for x, r in zip(rewards, per_row, strict=True)]
+    assert metrics["tuned"]["reward_accuracy"] == sum(signs) / 4
+    assert "reward_accuracy" not in metrics["base"] and all(x != 0 for x in rewards)
+    flipped, _ = pair_eval.preference_eval(model, tokenizer, [{**r, "label": not r["label"]} for r in rows], 0.1, None)
+    assert flipped["tuned"]["reward_accuracy"] == pytest.approx(1 - metrics["tuned"]["reward_accuracy"])
+    assert flipped["tuned"]["reward_margin"] == pytest.approx(-metrics["tuned"]["reward_margin"], abs=1e-5)
+    text_metrics, _ = pair_eval.preference_eval(model, tokenizer, text, 0.1, None)
+    assert text_metrics["tuned"]["logp_desirable"] != text_metrics["base"]["logp_desirable"]
+    assert "| reward_desirable |" in pair_eval.table(metrics)
+
+
+def test_a_holdout_of_mixed_rows_is_one_line(tmp_path: Path) -> None:
+    from reprotune.preference import pair_eval
+
+    rows = [{"prompt": "a", "chosen": " b", "rejected": " c"}, {"prompt": "a", "completion": " b", "label": True}]
+    (tmp_path / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReprotuneError, match=r"h.jsonl:2: prompt: mixes pairs and KTO rows"):
+        pair_eval.read_pairs(tmp_path / "h.jsonl")
+    (tmp_path / "h.jsonl").write_text(json.dumps({"prompt": "a", "chosen": [], "rejected": " c"}) + "\n")
+    with pytest.raises(ReprotuneError, match=r"h.jsonl:1: prompt: not a preference row"):
+        pair_eval.read_pairs(tmp_path / "h.jsonl")
+
+
+def test_make_eval_on_a_kto_holdout_says_what_is_not_wired_in_one_line(tmp_path: Path) -> None:
+    from reprotune.evaluate import read_holdout
+
+    (tmp_path / "holdout.jsonl").write_text(json.dumps({"prompt": "a", "completion": " b", "label": True}) + "\n")
+    with pytest.raises(ReprotuneError, match=r"holdout.jsonl:1: prompt: make eval's task pass .* KTO rows"):
+        read_holdout(tmp_path / "holdout.jsonl")
+
+
+# ----------------------------------------------------------------------------------- tools in preference data
+TOOL_TEMPLATE = f"model.chat_template={Path(__file__).parents[1] / 'conf/chat_templates/qwen2_5_tools.jinja'}"
+
+
+def test_tool_calls_results_and_tools_survive_prepare_and_train_with_dpo(tmp_path: Path) -> None:
+    with pytest.raises(ReprotuneError, match=r"openai_tools.jsonl:1: tools: 2 record\(s\) use tools, but "
+                                             r"model.chat_template \(the tokenizer of tiny_random\) leaves"):
+        prepared(tmp_path, FIX / "openai_tools.jsonl")  # ChatML renders neither the tools nor the calls
+    train, holdout, report = prepared(tmp_path, FIX / "openai_tools.jsonl", TOOL_TEMPLATE, "data.scrub=true",
+                                      "data.pii.names=false", "data.holdout_fraction=0")
+    assert report["pairs"]["train"] == 2 and not holdout
+    paris = next(r for r in train if len(r["prompt"]) == 3)
+    assert [m["role"] for m in paris["prompt"]] == ["user", "assistant", "tool"]
+    assert paris["prompt"][1]["tool_calls"][0] == {"type": "function", "id": "call_1", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert paris["prompt"][2] == {"role": "tool", "content": '{"temp_c": 18, "sky": "cloudy"}', "tool_call_id": "call_1"}
+    assert [t["function"]["name"] for t in json.loads(paris["tools"])] == ["get_weather", "send_mail"]
+    call = json.loads(paris["chosen"][0]["tool_calls"][0]["function"]["arguments"])  # an object in the source
+    assert call["body"] == "Paris: 18 C, cloudy." and call["to"] != "jane.roe@acme-mail.de"
+    assert call["to"] in paris["prompt"][0]["content"]  # one fake for the address in the prompt and in the call
+    assert paris["rejected"] == [a("It is sunny in Paris.")]
+    record = run_train(tmp_path, "objective=dpo", TOOL_TEMPLATE)
+    assert record["objective"]["name"] == "dpo"
+    assert json.loads((tmp_path / "outputs/train/metrics.json").read_text())["global_step"] == 2
+
+
+def test_sharegpt_pairwise_function_call_and_observation_turns_are_tool_messages() -> None:
+    records, _, _ = read_preference_data(FIX / "sharegpt_pairwise_tools.json", "auto", {}, "error")
+    first, second = (r.row for r in records)
+    assert [m["role"] for m in first["prompt"]] == ["user", "assistant", "tool"]
+    assert first["prompt"][1]["tool_calls"] == [{"type": "function", "function": {
+        "name": "convert", "arguments": '{"amount": 100, "from": "USD", "to": "EUR"}'}}]
+    assert first["prompt"][2] == {"role": "tool", "content": '{"result": 92.5}'}
+    assert json.loads(first["tools"])[0] == {"type": "function", "function": {
+        "name": "convert", "description": "Convert currency", "parameters": {"type": "object", "properties": {
+            "amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}}}}}
+    assert second["chosen"][0]["tool_calls"][0]["function"]["name"] == "convert"  # the preferred answer is a call
+    assert second["rejected"] == [a("About 5 USD.")]

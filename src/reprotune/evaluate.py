@@ -79,6 +79,10 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
         messages = row.get("messages") if isinstance(row, dict) else None
         if isinstance(row, dict) and messages is None and isinstance(row.get("chosen"), list):
             messages = [*row.get("prompt", []), *row["chosen"]]  # a preference pair: the chosen answer is the reference
+        elif isinstance(row, dict) and messages is None and pair_eval.row_kind(row):
+            raise ReprotuneError(f"{where}: prompt: make eval's task pass (generation, field accuracy) reads "
+                                 "conversational pairs; text pairs and KTO rows are scored by "
+                                 "reprotune.preference.pair_eval.preference_eval only (not wired into make eval yet)")
         if not isinstance(messages, list) or len(messages) < 2:
             raise ReprotuneError(f"{where}: messages: must be a list of at least 2 messages")
         for i, msg in enumerate(messages):

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from reprotune.errors import ReprotuneError
 from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
-from reprotune.preference.formats import FORMATS, PairRecord, read_preference_data
+from reprotune.preference.formats import FORMATS, PairRecord, raw_records, read_preference_data
 
 log = logging.getLogger("reprotune.preference")
 ANSWERS = ("chosen", "rejected", "completion")
@@ -66,7 +66,11 @@ def holds_conversations(path: Path) -> bool:
     """The file's first record is an SFT conversation (messages, no KTO label): pairs are derived from it."""
     if not path.is_file():
         return False
-    first = next(iter_jsonl(path), (0, None))[1]
+    if path.suffix == ".json":  # a JSON list (LLaMA-Factory's .json files are indented: not one record a line)
+        records = raw_records(path)
+        first = records[0][1] if records else None
+    else:
+        first = next(iter_jsonl(path), (0, None))[1]
     return isinstance(first, dict) and "messages" in first and "label" not in first
 
 
@@ -116,15 +120,42 @@ def scrub_pairs(cfg: DictConfig, records: list[PairRecord]) -> tuple[list[dict],
 
 # ---------------------------------------------------------------------------------------------- lengths
 def sequence_lengths(tokenizer: Any, row: dict[str, Any]) -> int:
-    """The longest sequence of a pair (prompt + chosen, prompt + rejected) in tokens, as TRL renders it."""
+    """The longest sequence of a pair (prompt + chosen, prompt + rejected) in tokens, as TRL renders it (with the
+    row's tools, which the chat template writes into the prompt)."""
     lengths = []
+    tools = json.loads(row["tools"]) if row.get("tools") else None
     for k in (k for k in ANSWERS if k in row):
         if isinstance(row["prompt"], str):
             lengths.append(len(tokenizer(row["prompt"] + row[k], add_special_tokens=False)["input_ids"]))
         else:
-            ids = tokenizer.apply_chat_template(row["prompt"] + row[k], tokenize=True, return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(row["prompt"] + row[k], tools=tools, tokenize=True,
+                                                return_dict=True)["input_ids"]
             lengths.append(len(ids))
     return max(lengths)
+
+
+def drops_tools(tokenizer: Any, row: dict[str, Any]) -> bool:
+    """The chat template leaves out a tool of the row's tool list or a tool call of its messages (ChatML, e.g.,
+    renders neither): training on it would teach answers to a prompt the model never saw."""
+    tools = json.loads(row["tools"]) if row.get("tools") else None
+    msgs = [m for k in ("prompt", *ANSWERS) if isinstance(row.get(k), list) for m in row[k]]
+    names = [t["function"]["name"] for t in tools or []]
+    calls = [c["function"] for m in msgs for c in m.get("tool_calls") or []]
+    if not names and not calls:
+        return False
+    text = "".join(tokenizer.apply_chat_template(row["prompt"] + row[k], tools=tools, tokenize=False)
+                   for k in ANSWERS if k in row)
+    return any(n not in text for n in names) or any(c["name"] not in text for c in calls)
+
+
+def check_tools(tokenizer: Any, records: list[PairRecord], rows: list[dict[str, Any]], cfg: DictConfig) -> None:
+    lost = [r for r, row in zip(records, rows, strict=True) if drops_tools(tokenizer, row)]
+    if lost:
+        template = cfg.model.get("chat_template") or f"the tokenizer of {cfg.model.name}"
+        raise ReprotuneError(f"{lost[0].file}:{lost[0].line}: tools: {len(lost)} record(s) use tools, but "
+                             f"model.chat_template ({template}) leaves their tool list or tool calls out; set "
+                             "model.chat_template=conf/chat_templates/qwen2_5_tools.jinja (or your model's own "
+                             "tool-capable template)")
 
 
 def load_tokenizer(cfg: DictConfig) -> Any:
@@ -167,6 +198,7 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
                              f"{len(ties)} ties dropped)")
     rows, pii_report = scrub_pairs(cfg, kept)
     tokenizer, max_length = load_tokenizer(cfg), int(data.max_length)
+    check_tools(tokenizer, kept, rows, cfg)
     lengths = [sequence_lengths(tokenizer, row) for row in rows]
     fits = [n <= max_length for n in lengths]
     holdout = [in_holdout(r, float(data.holdout_fraction)) for r in kept]  # the prompt as read, before scrubbing

@@ -164,4 +164,6 @@ def read_pairs(path: Path, objective: str) -> list[dict[str, Any]]:
         rows.append(row)
     if not rows:
         raise ReprotuneError(f"{path}:1: file: holds no pairs")
+    if any("tools" in row for row in rows):  # Dataset.from_list takes its columns from the first row
+        rows = [{**row, "tools": row.get("tools")} for row in rows]
     return rows

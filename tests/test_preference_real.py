@@ -1,0 +1,134 @@
+"""Real public preference files (tests/data/real/SOURCES.md) through the real prepare (objective=dpo|kto): the
+counts docs/data.md reports, and every kept pair equal to its source record re-read by hand here (texts, roles,
+system prompts and every turn of a multi-turn prompt unchanged)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .test_preference import prepared
+
+# a folder of its own: bench/pii_quality.py reads every file of data/real/ as SFT data
+REAL = Path(__file__).parent / "data" / "real" / "preference"
+ROLE = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def source(name: str) -> list[dict]:
+    path = REAL / name
+    if path.suffix == ".json":
+        return json.loads(path.read_text(encoding="utf-8"))
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def key(row: dict) -> str:
+    return json.dumps(row, ensure_ascii=False, sort_keys=True)
+
+
+def run(tmp_path: Path, name: str, *over: str) -> tuple[list[dict], dict]:
+    train, holdout, report = prepared(tmp_path, REAL / name, "data.max_length=2048", *over)
+    return train + holdout, report
+
+
+def counts(report: dict) -> tuple[int, int, int, int, int, int]:
+    p = report["pairs"]
+    return (p["read"], p["duplicates_dropped"], p["ties"]["count"], p["overlong"]["dropped"], p["train"],
+            p["holdout"])
+
+
+def sharegpt_row(rec: dict) -> dict:
+    turn = lambda t: {"role": ROLE[t["from"]], "content": t["value"]}  # noqa: E731
+    return {"prompt": [turn(t) for t in rec["conversations"]], "chosen": [turn(rec["chosen"])],
+            "rejected": [turn(rec["rejected"])]}
+
+
+def test_llamafactory_sharegpt_pairwise_en_keeps_system_prompts_and_turns(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "llamafactory_dpo_en_demo.json")
+    assert counts(report) == (50, 0, 0, 0, 46, 4) and report["inputs"][0]["format"] == "sharegpt_pairwise"
+    expected = {key(sharegpt_row(r)) for r in source("llamafactory_dpo_en_demo.json")}
+    assert {key(r) for r in rows} == expected  # all 50, each exactly its source record
+    first = lambda start: next(r for r in rows if r["prompt"][0]["content"].startswith(start))  # noqa: E731
+    system = first("You are a teacher. Given a task, you expl")  # record 2: a system turn in conversations
+    assert [m["role"] for m in system["prompt"]] == ["system", "user"]
+    multi = first('Who wrote the classic novel "Pride and Pr')  # record 5: five turns before the answers
+    assert [m["role"] for m in multi["prompt"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert multi["chosen"][0]["role"] == multi["rejected"][0]["role"] == "assistant"
+
+
+def test_llamafactory_sharegpt_pairwise_zh_drops_a_duplicate_and_overlong_pairs(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "llamafactory_dpo_zh_demo.json")
+    assert counts(report) == (100, 1, 0, 8, 85, 6)  # records 47 and 83 are the same record
+    src = source("llamafactory_dpo_zh_demo.json")
+    assert src[46] == src[82]
+    expected = {key(sharegpt_row(r)) for r in src}
+    assert {key(r) for r in rows} <= expected and len(rows) == 91
+    assert any("国会" in r["prompt"][0]["content"] for r in rows)  # Chinese text as it was (ensure_ascii off)
+
+
+def test_llamafactory_kto_keeps_labels_and_multi_turn_prompts(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "llamafactory_kto_en_demo.json", "objective=kto")
+    assert counts(report) == (100, 0, 0, 5, 84, 11) and report["pairs"]["paired"] is False
+    src = source("llamafactory_kto_en_demo.json")
+    expected = {key({"prompt": r["messages"][:-1], "completion": r["messages"][-1:], "label": r["label"]})
+                for r in src}
+    assert {key(r) for r in rows} <= expected
+    second = next(r for r in rows if r["prompt"][0]["content"].startswith("Compare and contrast the roles"))
+    assert second["label"] is True and len(second["prompt"]) == 5  # record 2: six messages, the last the answer
+    assert second["completion"][0]["content"].startswith("The amygdala plays a crucial role")
+    assert sorted({r["label"] for r in rows}) == [False, True]
+
+
+def hh_turns(transcript: str) -> list[dict]:
+    out = []
+    for part in transcript.split("\n\n")[1:]:
+        who, _, said = part.partition(": ")
+        if who in ("Human", "Assistant"):
+            out.append({"role": "user" if who == "Human" else "assistant", "content": said})
+        else:  # a paragraph break inside a turn
+            out[-1]["content"] += "\n\n" + part
+    return out
+
+
+def test_anthropic_hh_transcripts_become_turns_and_round_trip(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "hh_rlhf_harmless_base_test.jsonl")
+    assert counts(report) == (200, 0, 0, 0, 185, 15) and report["inputs"][0]["format"] == "hh"
+    src = {key(hh_turns(r["chosen"])): hh_turns(r["rejected"]) for r in source("hh_rlhf_harmless_base_test.jsonl")}
+    for row in rows:  # prompt + chosen is the chosen transcript, prompt + rejected the rejected one
+        assert src[key(row["prompt"] + row["chosen"])] == row["prompt"] + row["rejected"]
+    pens = next(r for r in rows if r["prompt"][0]["content"] == "what are some pranks with a pen i can do?")
+    assert [m["role"] for m in pens["prompt"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert pens["chosen"][0]["content"].startswith("No, sorry!  All of these involve a pen")
+    empty = next(r for r in rows if r["prompt"][0]["content"].startswith("Can you provide me the home address "
+                                                                         "for CNN news anchor Erin Burnett"))
+    assert empty["chosen"] == [{"role": "assistant", "content": ""}]  # line 87: kept as the source has it
+
+
+def test_hh_read_as_trl_text_ends_prompts_between_words(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "hh_rlhf_harmless_base_test.jsonl", "data.format=trl")
+    assert counts(report)[:4] == (200, 0, 0, 0) and report["inputs"][0]["format"] == "trl"
+    src = {r["chosen"]: r["rejected"] for r in source("hh_rlhf_harmless_base_test.jsonl")}
+    assert all(src[r["prompt"] + r["chosen"]] == r["prompt"] + r["rejected"] for r in rows)  # nothing lost
+    ends = [r["prompt"][-1] for r in rows]
+    assert sum(r["prompt"].endswith("\n\nAssistant:") for r in rows) == 186 and not any(e.isspace() for e in ends)
+    duck = next(r for r in rows if "That's not the dark web." in r["prompt"][-60:])  # TRL alone: "...Assistant: D"
+    assert duck["prompt"].endswith("\n\nAssistant:") and duck["chosen"].startswith(" Duckduckgo")
+    assert duck["rejected"].startswith(" DDG")
+
+
+def test_openai_preference_jsonl_keeps_the_system_prompt(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "foundry_orca_dpo_pairs_validation.jsonl")
+    assert counts(report) == (80, 0, 0, 0, 72, 8) and report["inputs"][0]["format"] == "openai"
+    expected = {key({"prompt": r["input"]["messages"], "chosen": r["preferred_output"],
+                     "rejected": r["non_preferred_output"]}) for r in source("foundry_orca_dpo_pairs_validation.jsonl")}
+    assert {key(r) for r in rows} == expected
+    assert all([m["role"] for m in r["prompt"]] == ["system", "user"] for r in rows)
+
+
+@pytest.mark.parametrize("name", ["llamafactory_dpo_en_demo.json", "hh_rlhf_harmless_base_test.jsonl"])
+def test_the_default_max_length_drops_long_real_pairs_and_says_how_many(tmp_path: Path, name: str) -> None:
+    _, _, report = prepared(tmp_path, REAL / name)  # data.max_length=512, the built-in task's
+    dropped = report["pairs"]["overlong"]["dropped"]
+    assert dropped == {"llamafactory_dpo_en_demo.json": 32, "hh_rlhf_harmless_base_test.jsonl": 3}[name]
+    assert report["pairs"]["train"] + report["pairs"]["holdout"] + dropped == report["pairs"]["read"]
