@@ -76,11 +76,15 @@ def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False,
     its backward is deterministic; varlen's is not); eager under repro=strict unpacked (the fused kernels'
     backward is not deterministic: the measured deterministic path); else None, the library's default (SDPA;
     on the CPU it takes a packed batch's block-diagonal mask as a dense mask). `pairs`: a preference objective's
-    padded pairs (TRL 1.16's preference trainers pad; their padding-free mode is disabled): on CUDA the varlen
-    kernel unpads each row from its mask, so no attention is computed over padding."""
+    pairs: packed (DPO, reprotune.preference.packed: the prompt once, no padding) through `pair_varlen` (the varlen
+    kernel over the pair layout) on CUDA, `pair_dense` (a deterministic masked softmax per document) on the CPU and
+    under repro=strict; padded (ORPO, KTO, or packing off: TRL 1.16's trainers pad) on CUDA through the varlen
+    kernel, which unpads each row from its mask, so no attention is computed over padding."""
     attn = cfg.hardware.get("attn_implementation", "auto")
     if attn not in (None, "auto"):
         return str(attn)
+    if pairs and packing:  # DPO's packed pairs (reprotune.preference.packed): their own layout, one of two kernels
+        return "pair_varlen" if device == "cuda" and varlen and cfg.repro != "strict" else "pair_dense"
     if pairs and device == "cuda" and varlen and cfg.repro != "strict":
         return "varlen_attention"
     if packing and device == "cuda":

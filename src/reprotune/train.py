@@ -37,6 +37,7 @@ from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_err
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
 from reprotune.preference import is_preference
+from reprotune.preference.packed import packed_dpo_trainer_class
 from reprotune.preference.trainers import (
     completion_tokens,
     init_adapter_dir,
@@ -266,10 +267,13 @@ class Objective:
     trainer_config: Callable[[DictConfig, RunSettings, bool], Any]  # (cfg, run, has_validation) -> TrainingArguments
 
 
-def objective(cfg: DictConfig) -> Objective:
-    """objective=sft: TRL's SFTTrainer; dpo, orpo, kto: TRL's preference trainers (reprotune.preference.trainers)."""
+def objective(cfg: DictConfig, run: RunSettings) -> Objective:
+    """objective=sft: TRL's SFTTrainer; dpo, orpo, kto: TRL's preference trainers (reprotune.preference.trainers;
+    DPO on packed pairs when the run packs: reprotune.preference.packed)."""
     if is_preference(cfg):
         trainer_class, _ = trl_classes(cfg.objective.name)
+        if run.packing:  # decide packs DPO's pairs only
+            trainer_class = packed_dpo_trainer_class(trainer_class)
         return Objective(trainer_class=checkpoints.sealing_trainer_class(trainer_class),
                          trainer_config=preference_config)
     from trl import SFTTrainer
@@ -309,7 +313,7 @@ def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: lis
     leaves nothing to learn from."""
     from datasets import Dataset
 
-    obj = objective(cfg)
+    obj = objective(cfg, run)
     # a model that already holds the starting adapter (objective.init_adapter) trains it; else a fresh one
     from peft import PeftModel
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, quantization
 from reprotune.errors import ReprotuneError
-from reprotune.preference import is_preference
+from reprotune.preference import is_preference, objective_name
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import GIB, Settings, memory_budget, needed_bytes
@@ -161,9 +161,11 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     fast = cuda if _auto(h.get("fast_path", "auto")) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     packing = fast if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-    if is_preference(cfg) and packing:  # TRL 1.16's DPOTrainer pads pairs (its padding_free is unavailable)
+    if is_preference(cfg) and packing and objective_name(cfg) != "dpo":  # TRL 1.16's ORPO/KTO trainers pad
         packing = False
-        reasons.append("packing off: preference pairs are padded (TRL 1.16)")
+        reasons.append(f"packing off: {objective_name(cfg)} pairs are padded (TRL 1.16; reprotune packs DPO's)")
+    elif is_preference(cfg) and packing:
+        reasons.append("pairs packed: no padding, each prompt computed once (reprotune.preference.packed)")
     attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.get("liger_kernel", "auto")

@@ -1,0 +1,283 @@
+"""DPO on packed pairs: padding-free, with each pair's prompt computed once (issue #26, the GPU fast path).
+
+TRL 1.16's DPOTrainer pads a micro-batch of B pairs into 2B rows (prompt + chosen, then prompt + rejected, right
+padding: its padding-free mode is disabled) and runs the policy and the reference over all of them, so every pair
+pays for its prompt twice and for the padding of the longest row. Here the rows TRL's collator built are packed
+into one row before the model sees them, pair by pair:
+
+    [prompt, chosen] [p', rejected]        p' = a copy of the prompt's last token, at its position
+
+- the chosen sequence is one causal document;
+- the rejected tokens attend to the pair's prompt (its keys and values from the chosen document: the prompt is
+  computed once) and causally to themselves: queries [p', rejected] over keys [prompt, rejected], causal from the
+  bottom right; p' stands for the prompt's last token, whose next-token distribution predicts the rejected
+  answer's first token (in the chosen document that position predicts the chosen answer's first token);
+- position ids restart per document as in the padded rows, so every token sees exactly the context it has in
+  TRL's padded rows: each answer's per-token log-probabilities, the loss and the gradients are those of the padded
+  batch (tests/test_preference_packed.py, in float32 on the CPU), computed on P + C + 1 + R tokens instead of
+  2 * max(P + C, P + R) per pair.
+
+A pair whose two rows do not start with the same prompt (truncation from the end) is packed as two independent
+documents. The per-token outputs (TRL's fused LM head, called with `shift_labels`) are scattered back into the
+padded (2B, T - 1) layout, so TRL's own loss code (every loss_type, ld_alpha, WPO weighting) and metrics run
+unchanged: only the model call is replaced, for the policy and the reference alike.
+
+Attention over this layout (`pair_layout` handed to the attention function through the model's kwargs):
+`pair_varlen`, torch's FlashAttention varlen kernel (queries and the gathered keys have their own boundaries; its
+causal window is bottom-right aligned), and `pair_dense`, one masked softmax per document in plain torch (the CPU,
+and repro=strict on a GPU: deterministic). reprotune.runtime.attention picks one.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any
+
+VARLEN, DENSE = "pair_varlen", "pair_dense"
+
+
+@dataclass
+class PairLayout:
+    """Where each document's queries and keys are in the packed row (tensors on the model's device)."""
+    q_starts: list[int]          # each document's first query position (documents are contiguous, in order)
+    q_lengths: list[int]
+    k_index: Any                 # (sum of key lengths,) packed positions of every document's keys, in order
+    k_lengths: list[int]
+    cu_q: Any                    # (documents + 1,) int32 cumulative query lengths
+    cu_k: Any                    # (documents + 1,) int32 cumulative key lengths
+    max_q: int
+    max_k: int
+
+
+@dataclass
+class Packed:
+    """One micro-batch of padded pairs as one packed row, and the way back to the padded layout."""
+    input_ids: Any               # (1, N)
+    position_ids: Any            # (1, N)
+    shift_labels: Any            # (1, N): the next token each position predicts, -100 where none is scored
+    layout: PairLayout
+    rows: Any                    # padded row, column (shifted) and packed position of every scored token
+    cols: Any
+    positions: Any
+    shape: tuple[int, int]       # the padded (2B, T - 1) layout of TRL's per-token outputs
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return out
+
+
+def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any) -> Packed:
+    """The packed row of TRL's padded pair batch (rows 0..B-1 chosen, B..2B-1 rejected, right padding; labels =
+    input_ids with -100 outside the completion)."""
+    import torch
+
+    device = input_ids.device
+    ids, mask, lab = input_ids.tolist(), attention_mask.tolist(), labels.tolist()
+    n_rows, width = len(ids), len(ids[0])
+    pairs = n_rows // 2
+    tokens: list[int] = []
+    positions: list[int] = []
+    shift: list[int] = []
+    q_lengths: list[int] = []
+    k_index: list[int] = []
+    k_lengths: list[int] = []
+    back_rows: list[int] = []
+    back_cols: list[int] = []
+    back_pos: list[int] = []
+
+    def scored(row: int, length: int) -> list[int]:
+        """Shifted columns t whose next token row[t + 1] is scored."""
+        return [t for t in range(length - 1) if lab[row][t + 1] != -100]
+
+    def whole(row: int, length: int) -> int:
+        """Append row[:length] as one causal document; its first packed position."""
+        start = len(tokens)
+        tokens.extend(ids[row][:length])
+        positions.extend(range(length))
+        shift.extend([*lab[row][1:length], -100])
+        q_lengths.append(length)
+        k_index.extend(range(start, start + length))
+        k_lengths.append(length)
+        for t in scored(row, length):
+            back_rows.append(row)
+            back_cols.append(t)
+            back_pos.append(start + t)
+        return start
+
+    for i in range(pairs):
+        c, r = i, pairs + i
+        len_c, len_r = sum(mask[c]), sum(mask[r])
+        prompt_c = next((t for t in range(len_c) if lab[c][t] != -100), len_c)
+        prompt_r = next((t for t in range(len_r) if lab[r][t] != -100), len_r)
+        start_c = whole(c, len_c)
+        p = prompt_c
+        shared = (p == prompt_r and 1 <= p < len_r and len_c >= p and ids[c][:p] == ids[r][:p]
+                  and all(v == -100 for v in lab[r][:p]))
+        if not shared:
+            whole(r, len_r)
+            continue
+        # [p', rejected]: p' (the prompt's last token again) predicts the rejected answer's first token
+        start = len(tokens)
+        answer = len_r - p
+        tokens.extend(ids[r][p - 1:len_r])
+        positions.extend(range(p - 1, len_r))
+        shift.extend([*lab[r][p:len_r], -100])
+        q_lengths.append(answer + 1)
+        k_index.extend([*range(start_c, start_c + p), *range(start + 1, start + 1 + answer)])
+        k_lengths.append(p + answer)
+        for t in scored(r, len_r):  # t >= p - 1: the packed position of the token at column t
+            back_rows.append(r)
+            back_cols.append(t)
+            back_pos.append(start + t - (p - 1))
+
+    def tensor(values: list[int], dtype=torch.long) -> Any:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    cu_q = torch.tensor(_starts(q_lengths) + [sum(q_lengths)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor(_starts(k_lengths) + [sum(k_lengths)], dtype=torch.int32, device=device)
+    layout = PairLayout(q_starts=_starts(q_lengths), q_lengths=q_lengths, k_index=tensor(k_index),
+                        k_lengths=k_lengths, cu_q=cu_q, cu_k=cu_k, max_q=max(q_lengths), max_k=max(k_lengths))
+    return Packed(input_ids=tensor(tokens)[None], position_ids=tensor(positions)[None],
+                  shift_labels=tensor(shift)[None], layout=layout, rows=tensor(back_rows), cols=tensor(back_cols),
+                  positions=tensor(back_pos), shape=(n_rows, width - 1))
+
+
+# -------------------------------------------------------------------------------------------- attention
+def _unsupported(name: str, dropout: float, kwargs: dict[str, Any]) -> None:
+    if dropout:
+        raise ValueError(f"{name}: attention dropout is not supported (the packed pairs train without it)")
+    if kwargs.get("softcap"):
+        raise ValueError(f"{name}: attention logit soft-capping is not supported (use train.packing=false)")
+
+
+def pair_dense_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                       scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                       pair_layout: PairLayout | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """One masked softmax per document (queries over their keys, causal from the bottom right, within the sliding
+    window where the layer has one), in float32 like transformers' eager attention: query (1, heads, N, dim),
+    key/value (1, kv_heads, N, dim) -> (1, N, heads, dim). A document's keys are in position order, so key index
+    distance is position distance."""
+    import torch
+
+    if pair_layout is None:
+        raise ValueError(f"{DENSE}: called without a pair layout (only reprotune's packed DPO forward uses it)")
+    _unsupported(DENSE, dropout, kwargs)
+    _, heads, n, dim = query.shape
+    groups = heads // key.shape[1]
+    scale = scaling if scaling is not None else dim ** -0.5
+    out = query.new_zeros(n, heads, dim)
+    k_start = 0
+    for q0, lq, lk in zip(pair_layout.q_starts, pair_layout.q_lengths, pair_layout.k_lengths, strict=True):
+        index = pair_layout.k_index[k_start:k_start + lk]
+        k_start += lk
+        q = query[0, :, q0:q0 + lq]
+        k = key[0][:, index].repeat_interleave(groups, dim=0)
+        v = value[0][:, index].repeat_interleave(groups, dim=0)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        if sliding_window:  # key j within the window of query i: (i + lk - lq) - j < sliding_window
+            allowed &= ~torch.ones_like(allowed).tril(diagonal=lk - lq - int(sliding_window))
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[q0:q0 + lq] = torch.matmul(weights, v).transpose(0, 1)
+    return out[None], None
+
+
+def pair_varlen_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                        scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                        pair_layout: PairLayout | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """torch's FlashAttention varlen kernel over the layout: the queries in packed order, the keys gathered per
+    document; the window (-1, 0) is causal aligned to the bottom right, as the layout needs. Without a layout
+    (an unpacked call), reprotune.varlen_attention's padded path."""
+    from reprotune.varlen_attention import _kernel, varlen_attention_forward
+
+    if pair_layout is None:
+        return varlen_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                        dropout=dropout, sliding_window=sliding_window, **kwargs)
+    _unsupported(VARLEN, dropout, kwargs)
+    varlen_attn, gqa = _kernel()
+    window = (-1, 0) if not sliding_window else (int(sliding_window) - 1, 0)
+    _, heads, n, dim = query.shape
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)[pair_layout.k_index]
+    v = value[0].transpose(0, 1)[pair_layout.k_index]
+    out = varlen_attn(q, k, v, pair_layout.cu_q, pair_layout.cu_k, pair_layout.max_q, pair_layout.max_k,
+                      scale=scaling, window_size=window, **gqa)
+    return out[None], None
+
+
+def register() -> None:
+    """Make `attn_implementation="pair_varlen"` / `"pair_dense"` known to transformers (no mask is built: the
+    layout comes with the call)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(VARLEN, pair_varlen_forward)
+    AttentionInterface.register(DENSE, pair_dense_forward)
+    AttentionMaskInterface.register(VARLEN, flash_attention_mask)
+    AttentionMaskInterface.register(DENSE, flash_attention_mask)
+
+
+# ------------------------------------------------------------------------------------------ the model call
+def unpack_outputs(packed: Packed, outputs: Any) -> Any:
+    """TRL's FusedCausalLMOutput of the packed row, as the padded batch would have given it."""
+    import torch
+
+    def back(field: Any) -> Any:
+        if field is None:
+            return None
+        flat = field[0, packed.positions]
+        return flat.new_zeros(packed.shape).index_put((packed.rows, packed.cols), flat)
+
+    label_mask = torch.zeros(packed.shape, dtype=torch.bool, device=packed.rows.device)
+    label_mask[packed.rows, packed.cols] = True
+    return type(outputs)(loss=outputs.loss, log_probs=back(outputs.log_probs), entropy=back(outputs.entropy),
+                         log_sum_sq_probs=back(outputs.log_sum_sq_probs), mean_logits=back(outputs.mean_logits),
+                         is_top1=back(outputs.is_top1), label_mask=label_mask, aux_loss=outputs.aux_loss)
+
+
+PACKABLE_KEYS = {"input_ids", "attention_mask", "use_cache", "labels", "fused_lm_head"}
+
+
+def packing_forward(fused_forward: Any) -> Any:
+    """Wrap TRL's fused-LM-head forward: a call on a padded pair batch runs on its packed row instead."""
+
+    @functools.wraps(fused_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # PEFT hands on its own switches unset (output_attentions=None, ...): anything else set is not a pair batch
+        extra = {k for k, v in kwargs.items() if k not in PACKABLE_KEYS and v is not None}
+        if args or extra or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
+            return fused_forward(*args, **kwargs)
+        ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+        if mask is None:
+            import torch
+
+            mask = torch.ones_like(ids)
+        packed = pack_pairs(ids, mask, kwargs["labels"])
+        outputs = fused_forward(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                                shift_labels=packed.shift_labels, fused_lm_head=True, use_cache=False,
+                                pair_layout=packed.layout)
+        return unpack_outputs(packed, outputs)
+
+    return forward
+
+
+def packed_dpo_trainer_class(base: type) -> type:
+    """A DPOTrainer (subclass `base`) whose model calls run on packed pairs (see the module docstring)."""
+
+    class PackedPairsDPOTrainer(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            from accelerate.utils import is_peft_model
+
+            target = self.model.get_base_model() if is_peft_model(self.model) else self.model
+            target.forward = types.MethodType(packing_forward(target.forward), target)
+
+    PackedPairsDPOTrainer.__name__ = PackedPairsDPOTrainer.__qualname__ = f"PackedPairs{base.__name__}"
+    return PackedPairsDPOTrainer

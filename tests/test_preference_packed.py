@@ -1,0 +1,152 @@
+"""DPO on packed pairs (reprotune.preference.packed), checked on the CPU with each family's tiny model in float32:
+the packed row (no padding, each pair's prompt computed once) gives every pair the per-token log-probabilities,
+the loss, TRL's reward metrics and the LoRA gradients of TRL's own padded batch; and a control shows the check
+would catch a leak (a rejected token attending to the chosen answer).
+
+Tolerances as in tests/test_packing.py: log-probabilities 1e-4 absolute (sums of ~100 float32 terms), gradients
+relative to the tensor's magnitude."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprotune.config import compose
+from reprotune.invoices import generate, wrong_extraction
+from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.preference import packed
+from reprotune.preference.trainers import preference_config, trl_classes
+from reprotune.sizing.decide import Hardware, decide
+from reprotune.train import lora_config
+
+from .families import family_params
+
+N_PAIRS = 4
+
+
+def pairs() -> list[dict]:
+    """Built-in invoice pairs of different lengths (the rejected answer a plausible wrong extraction), one with a
+    multi-turn prompt."""
+    rows = []
+    for i, ex in enumerate(generate(N_PAIRS, seed=5)):
+        *prompt, answer = ex["messages"]
+        wrong = wrong_extraction(answer["content"], random.Random(i))
+        rows.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": wrong}]})
+    return rows
+
+
+def _trainer(tmp: Path, preset: str, pack: bool):
+    from datasets import Dataset
+
+    cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", "objective=dpo",
+                   f"train.packing={pack}", f"train.per_device_train_batch_size={N_PAIRS}",
+                   "train.max_steps=1"])
+    run = decide(cfg, Hardware("cpu"), None, None)
+    assert run.packing is pack
+    assert run.attn_implementation == (packed.DENSE if pack else None)
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
+    model = load_base_model(model_dir, cfg, "cpu", "float32", run.attn_implementation)
+    trainer_class, _ = trl_classes("dpo")
+    if pack:
+        trainer_class = packed.packed_dpo_trainer_class(trainer_class)
+    trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
+                            train_dataset=Dataset.from_list(pairs()), peft_config=lora_config(cfg, tokenizer))
+    torch.manual_seed(0)  # LoRA B starts at zero: the policy would equal the reference; perturb it
+    for name, param in trainer.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    return trainer
+
+
+def loss_and_grads(trainer) -> tuple[float, dict[str, torch.Tensor], dict[str, float]]:
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, batch, False)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith(("rewards", "logps"))}
+    return float(loss), grads, metrics
+
+
+@pytest.fixture(scope="module", params=family_params())
+def both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("packed_pairs")
+    return _trainer(tmp, request.param, True), _trainer(tmp, request.param, False)
+
+
+def test_packed_pairs_give_the_padded_batch_loss_metrics_and_gradients(both) -> None:
+    packed_trainer, padded_trainer = both
+    for (n1, p1), (n2, p2) in zip(packed_trainer.model.named_parameters(), padded_trainer.model.named_parameters(),
+                                  strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
+    batch = next(iter(padded_trainer.get_train_dataloader()))
+    padded_tokens = int(batch["input_ids"].numel())
+    layout = packed.pack_pairs(batch["input_ids"], batch["attention_mask"],
+                               batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100))
+    # fewer tokens than the padded rows: no padding, and each prompt once (+ one token per pair)
+    assert layout.input_ids.shape[1] < padded_tokens
+    assert layout.input_ids.shape[1] == int(batch["attention_mask"].sum()) - sum(
+        int(((batch["attention_mask"][i] == 1) & (batch["completion_mask"][i] == 0)).sum()) - 1
+        for i in range(N_PAIRS, 2 * N_PAIRS))
+    loss_p, grads_p, metrics_p = loss_and_grads(packed_trainer)
+    loss_u, grads_u, metrics_u = loss_and_grads(padded_trainer)
+    assert loss_p == pytest.approx(loss_u, abs=1e-5)
+    assert loss_u > 0.1  # a real loss, not a degenerate zero
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert metrics_p[key] == pytest.approx(metrics_u[key], abs=1e-4), key
+    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
+    for name, g in grads_u.items():
+        scale = float(g.abs().max())
+        assert scale > 0, name
+        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+def test_a_leak_across_the_pair_would_be_caught(both) -> None:
+    """Control: let the rejected answer's queries also see the chosen answer; the log-probabilities move far
+    beyond the tolerance above."""
+    packed_trainer, _ = both
+    batch = next(iter(packed_trainer.get_train_dataloader()))
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    layout = packed.pack_pairs(batch["input_ids"], batch["attention_mask"], labels)
+    model = packed_trainer.model.get_base_model()
+
+    def logps(lay: packed.Packed) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(input_ids=lay.input_ids, position_ids=lay.position_ids, attention_mask=None,
+                        shift_labels=lay.shift_labels, fused_lm_head=True, use_cache=False, pair_layout=lay.layout)
+        return out.log_probs
+
+    honest = logps(layout)
+    # the leak: the first rejected document's keys start at the chosen document's first token instead of its
+    # prompt's end (the prompt keys stay, the chosen answer's tokens are added in front of the rejected ones)
+    lay = layout.layout
+    first_chosen = lay.q_lengths[0]
+    prompt_len = lay.k_lengths[1] - (lay.q_lengths[1] - 1)
+    k0 = lay.k_lengths[0]
+    leaked_keys = torch.cat([lay.k_index[:k0], torch.arange(0, first_chosen), lay.k_index[k0 + prompt_len:]])
+    leaked = packed.PairLayout(q_starts=lay.q_starts, q_lengths=lay.q_lengths, k_index=leaked_keys,
+                               k_lengths=[k0, first_chosen + lay.k_lengths[1] - prompt_len, *lay.k_lengths[2:]],
+                               cu_q=lay.cu_q, cu_k=lay.cu_k, max_q=lay.max_q, max_k=lay.max_k)
+    moved = logps(packed.Packed(**{**layout.__dict__, "layout": leaked}))
+    assert float((moved - honest).abs().max()) > 1e-2
+
+
+def test_pairs_whose_prompts_differ_are_two_documents() -> None:
+    """Truncation from the end can leave the two rows of a pair with different prompts: then nothing is shared."""
+    ids = torch.tensor([[1, 2, 3, 4, 0], [9, 2, 3, 5, 6]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    labels = torch.tensor([[-100, -100, -100, 4, -100], [-100, -100, -100, 5, 6]])
+    lay = packed.pack_pairs(ids, mask, labels)
+    assert lay.input_ids.tolist() == [[1, 2, 3, 4, 9, 2, 3, 5, 6]]
+    assert lay.layout.q_lengths == lay.layout.k_lengths == [4, 5]
+    shared = packed.pack_pairs(torch.tensor([[1, 2, 3, 4, 0], [1, 2, 3, 5, 6]]), mask, labels)
+    assert shared.input_ids.tolist() == [[1, 2, 3, 4, 3, 5, 6]]  # p' = 3 at position 2, then the rejected answer
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4]]
+    assert shared.shift_labels.tolist() == [[-100, -100, 4, -100, 5, 6, -100]]
+    assert shared.layout.q_lengths == [4, 3] and shared.layout.k_lengths == [4, 5]
+    assert shared.layout.k_index.tolist() == [0, 1, 2, 3, 0, 1, 2, 5, 6]
