@@ -71,9 +71,27 @@ def prepare(out: Path, model: str, overrides: list[str], n: int) -> tuple[str, P
         data.parent.mkdir(parents=True, exist_ok=True)
         data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
         (data.parent / "holdout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs[:8]))
-    lengths = [pair_tokens(tok, json.loads(line)) for line in data.read_text().splitlines()]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    lengths = [pair_tokens(tok, row) for row in rows]
+    packed = write_report(data.parent, tok, rows, str(cfg.model.name))
     return model_dir, data, {"pairs": len(lengths), "min": min(lengths), "max": max(lengths),
-                             "mean": sum(lengths) / len(lengths)}
+                             "mean": sum(lengths) / len(lengths), "packed_mean": packed}
+
+
+def write_report(prepared: Path, tokenizer, rows: list[dict], model: str) -> float:
+    """The token counts `make prepare` writes for pairs (report.json), so the preflight plans these pairs as it
+    would prepared ones; returns the mean packed pair (the prompt once and both answers)."""
+    from reprotune.preference.pairs import sequence_lengths
+    from reprotune.prepare_report import distribution
+
+    measured = [sequence_lengths(tokenizer, row) for row in rows]
+    packed = [m[1] for m in measured]
+    report = {"max_length": 2048, "pairs": {"overlong": {"policy": "drop", "dropped": 0}},
+              "tokens": {"model": model, "longest_sequence_of_pair": True,
+                         "train": distribution([m[0] for m in measured]), "packed_pair_train": distribution(packed),
+                         "answer_share_train": round(sum(m[2] for m in measured) / sum(packed), 4)}}
+    (prepared / "report.json").write_text(json.dumps(report, indent=1))
+    return sum(packed) / len(packed)
 
 
 def dpo_flops_per_token(model_config, mean_sequence_tokens: float, recompute: float) -> float:
@@ -192,6 +210,11 @@ def main() -> None:
             from reprotune import speed
 
             r["mfu"] = speed.mfu(r["steady_tokens_per_s"], flops) if r["steady_tokens_per_s"] else None
+            # the GPU's own rate: packed pairs compute each prompt once (a counted token is then fewer FLOPs)
+            computed = stats["packed_mean"] if r.get("run_settings", {}).get("packing") else stats["mean"]
+            r["mfu_computed"] = (speed.mfu(r["steady_tokens_per_s"] * computed / stats["mean"],
+                                           dpo_flops_per_token(config, computed / 2, r["recompute"]))
+                                 if r["steady_tokens_per_s"] else None)
         results[run] = r
         print(json.dumps({run: r}), flush=True)
         (args.out / "results.json").write_text(json.dumps({"data": stats, "results": results}, indent=1))
@@ -201,18 +224,25 @@ def main() -> None:
 def print_table(model: str, steps: int, stats: dict, results: dict) -> None:
     print(f"\n{model}, DPO, {steps} optimizer steps of 16 pairs (4 x 4), {stats['pairs']} pairs of mean "
           f"{stats['mean']:.0f} tokens (prompt twice)\n")
-    print("| run | tokens/s (steady) | MFU | peak GiB (alloc / reserved) | loss at last step | x TRL | adapter sha256 |"
-          "\n|---|---|---|---|---|---|---|")
+    print(f"MFU counts the issue's tokens (prompt twice); 'computed' counts what ran (packed pairs: the prompt once, "
+          f"mean {stats['packed_mean']:.0f} tokens a pair)\n")
+    print("| run | tokens/s (steady) | MFU | MFU computed | peak GiB (alloc / reserved) | loss at last step | x TRL |"
+          " settings | adapter sha256 |\n|---|---|---|---|---|---|---|---|---|")
     for run, r in results.items():
         if "failed" in r:
-            print(f"| {run} | failed (exit {r['failed']}) | | | | | |")
+            print(f"| {run} | failed (exit {r['failed']}) | | | | | | | |")
             continue
         base = results.get("trl:" + run.split(":")[1].split("+")[0].split("#")[0]) or {}
         ratio = (r["steady_tokens_per_s"] / base["steady_tokens_per_s"]
                  if base.get("steady_tokens_per_s") and r["steady_tokens_per_s"] else None)
+        rs = r.get("run_settings")
+        setting = (f"{rs['per_device_train_batch_size']}x{rs['gradient_accumulation_steps']}, ckpt "
+                   f"{'every ' + str(rs['checkpoint_every_n_layers']) if rs['activation_checkpointing'] else 'off'}, "
+                   f"{rs['attn_implementation']}" if rs else "4x4, ckpt every layer, sdpa, padded")
         print(f"| {run} | {r['steady_tokens_per_s'] or 0:,.0f} | {(r['mfu'] or 0) * 100:.1f}% | "
+              f"{(r.get('mfu_computed') or 0) * 100:.1f}% | "
               f"{r['peak_gib']:.2f} / {r['reserved_gib']:.2f} | {r['final_loss']:.4f} | "
-              f"{f'{ratio:.2f}x' if ratio else '-'} | {r.get('adapter_sha256', '-')[:16]} |")
+              f"{f'{ratio:.2f}x' if ratio else '-'} | {setting} | {r.get('adapter_sha256', '-')[:16]} |")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.preference.formats import read_preference_data
 from reprotune.sizing.decide import Hardware, card, decide
+from reprotune.sizing.shape import DataShape
 
 from .conftest import tiny_adapter_run
 
@@ -215,12 +216,30 @@ def test_wrong_data_for_the_objective_is_one_line(tmp_path: Path, workspace: tup
         run_train(tmp_path)  # objective=sft on pairs
 
 
-def test_decide_runs_as_configured_for_a_preference_objective(tmp_path: Path) -> None:
-    cfg = compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"])
-    run = decide(cfg, card("H200"), None, None)
-    assert run.planned is None and run.packing is False and run.fits
-    assert any("preference objective: memory not modelled (uncalibrated" in r for r in run.reasons)
-    assert decide(cfg, Hardware("cpu"), None, None).per_device_train_batch_size == 4
+def pair_shape(longest: int, mean: float) -> DataShape:
+    return DataShape(examples=400, max_tokens=longest, mean_tokens=mean, total_tokens=int(400 * mean),
+                     assistant_share=0.6, prepared_max_length=2048, tokenizer_model=None, overlong=0, source="test")
+
+
+def test_decide_plans_packed_dpo_pairs_and_runs_padded_ones_as_configured(tmp_path: Path) -> None:
+    """DPO's packed pairs are planned as packed rows of the longest pair (prompt once, both answers; bound: twice
+    max_length); ORPO's and KTO's padded pairs are not modelled and run as configured."""
+    base = [f"paths.root={tmp_path}", "model=qwen3_8b_random", "data.max_length=2048"]
+    run = decide(compose([*base, "objective=dpo"]), card("H200"), None, None)
+    assert run.packing and run.planned is not None and run.planned.max_length == 2 * 2048
+    assert any("a pair is one packed row of up to 4096 tokens" in r for r in run.reasons)
+    # a 24 GB card's budget: a LoRA DPO run of real pairs must checkpoint, and its plan stays inside the budget
+    small = decide(compose([*base, "objective=dpo", "hardware.memory_budget_gib=22"]), card("H200"), None,
+                   pair_shape(1668, 938.0))
+    assert small.planned.max_length == 1668 and small.activation_checkpointing
+    assert small.predicted["card_gib"] <= 22.0
+    roomy = decide(compose([*base, "objective=dpo"]), card("H200"), None, pair_shape(1668, 938.0))
+    assert not roomy.activation_checkpointing and roomy.predicted["peak_gib"] > small.predicted["peak_gib"]
+    for name in ("kto", "orpo"):
+        padded = decide(compose([*base, f"objective={name}"]), card("H200"), None, None)
+        assert padded.planned is None and not padded.packing and padded.fits
+        assert any(f"{name} on padded pairs: memory not modelled" in r for r in padded.reasons)
+    assert decide(compose([*base, "objective=dpo"]), Hardware("cpu"), None, None).per_device_train_batch_size == 4
 
 
 @pytest.mark.slow  # three training processes, one killed mid-run
@@ -281,12 +300,14 @@ def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
     assert result["metrics"]["tuned"]["field_accuracy"] >= 0  # the task's metrics next to the pairs'
 
 
-def test_make_plan_refuses_a_preference_run_in_one_line(tmp_path: Path) -> None:
+def test_make_plan_plans_dpo_and_refuses_padded_pairs_in_one_line(tmp_path: Path) -> None:
     from reprotune.sizing.report import make_plan
     from reprotune.sizing.shape import PlanError
 
-    with pytest.raises(PlanError, match=r"objective=dpo: preference memory is not modelled yet"):
-        make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"]))
+    plan = make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"]))
+    assert json.dumps(plan)  # the whole plan, JSON-able
+    with pytest.raises(PlanError, match=r"objective=kto: memory of padded preference pairs is not modelled"):
+        make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=kto"]))
 
 
 # ------------------------------------------------------------------------- eval of text pairs and KTO rows

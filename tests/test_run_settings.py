@@ -105,14 +105,18 @@ def test_off_cuda_nothing_is_fitted() -> None:
 
 
 def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_and_strict_the_eager_one() -> None:
-    """TRL 1.16 pads preference pairs (its padding-free mode is disabled): on CUDA the varlen kernel unpads each
-    row from its mask, so no attention runs over padding; repro=strict keeps the deterministic eager path, and
-    SFT's unpacked rows keep the library default."""
-    def attn(*overrides: str) -> str | None:
+    """DPO's pairs are packed on the GPU (reprotune.preference.packed): the varlen kernel over the pair layout,
+    the deterministic masked softmax under repro=strict; TRL 1.16 pads ORPO's and KTO's pairs (and DPO's with
+    packing off): on CUDA the varlen kernel unpads each row from its mask, so no attention runs over padding;
+    repro=strict keeps the deterministic eager path, and SFT's unpacked rows keep the library default."""
+    def run(*overrides: str) -> d.RunSettings:
         cfg = compose(["model=qwen3_8b", "hardware=gpu", "paths.prepared=/nonexistent", *overrides])
-        return d.decide(cfg, d.card("H200"), None, None).attn_implementation
+        return d.decide(cfg, d.card("H200"), None, None)
 
-    assert attn("objective=dpo") == "varlen_attention"
-    assert attn("objective=kto") == "varlen_attention"
-    assert attn("objective=dpo", "repro=strict") == "eager"
-    assert attn("train.packing=false") is None
+    assert run("objective=dpo").attn_implementation == "pair_varlen" and run("objective=dpo").packing
+    assert run("objective=dpo", "repro=strict").attn_implementation == "pair_dense"
+    assert run("objective=dpo", "train.packing=false").attn_implementation == "varlen_attention"
+    assert run("objective=dpo", "train.packing=false", "repro=strict").attn_implementation == "eager"
+    assert run("objective=kto").attn_implementation == "varlen_attention" and not run("objective=kto").packing
+    assert run("objective=orpo").attn_implementation == "varlen_attention" and not run("objective=orpo").packing
+    assert run("train.packing=false").attn_implementation is None

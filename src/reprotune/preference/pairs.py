@@ -119,11 +119,17 @@ def scrub_pairs(cfg: DictConfig, records: list[PairRecord]) -> tuple[list[dict],
 
 
 # ---------------------------------------------------------------------------------------------- lengths
-def sequence_lengths(tokenizer: Any, row: dict[str, Any]) -> int:
-    """The longest sequence of a pair (prompt + chosen, prompt + rejected) in tokens, as TRL renders it (with the
-    row's tools, which the chat template writes into the prompt)."""
+def sequence_lengths(tokenizer: Any, row: dict[str, Any]) -> tuple[int, int, int]:
+    """A pair's tokens as TRL renders it (with the row's tools, which the chat template writes into the prompt):
+    (its longest sequence, prompt + chosen or prompt + rejected; the tokens of its packed row, the prompt once and
+    both answers plus one, reprotune.preference.packed; the answers' tokens)."""
     lengths = []
     tools = json.loads(row["tools"]) if row.get("tools") else None
+    if isinstance(row["prompt"], str):
+        prompt = len(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
+    else:
+        prompt = len(tokenizer.apply_chat_template(row["prompt"], tools=tools, tokenize=True, return_dict=True,
+                                                   add_generation_prompt=True)["input_ids"])
     for k in (k for k in ANSWERS if k in row):
         if isinstance(row["prompt"], str):
             lengths.append(len(tokenizer(row["prompt"] + row[k], add_special_tokens=False)["input_ids"]))
@@ -131,7 +137,9 @@ def sequence_lengths(tokenizer: Any, row: dict[str, Any]) -> int:
             ids = tokenizer.apply_chat_template(row["prompt"] + row[k], tools=tools, tokenize=True,
                                                 return_dict=True)["input_ids"]
             lengths.append(len(ids))
-    return max(lengths)
+    answers = sum(max(0, n - prompt) for n in lengths)
+    packed = prompt + answers + (len(lengths) - 1)
+    return max(lengths), packed, answers
 
 
 def drops_tools(tokenizer: Any, row: dict[str, Any]) -> bool:
@@ -199,7 +207,8 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
     rows, pii_report = scrub_pairs(cfg, kept)
     tokenizer, max_length = load_tokenizer(cfg), int(data.max_length)
     check_tools(tokenizer, kept, rows, cfg)
-    lengths = [sequence_lengths(tokenizer, row) for row in rows]
+    measured = [sequence_lengths(tokenizer, row) for row in rows]
+    lengths = [m[0] for m in measured]
     fits = [n <= max_length for n in lengths]
     holdout = [in_holdout(r, float(data.holdout_fraction)) for r in kept]  # the prompt as read, before scrubbing
     train_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and not h]
@@ -208,6 +217,8 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
         raise ReprotuneError(f"{data.path}:0: data: no training pairs left after dedup, ties, split and length")
     train_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and not h]
     holdout_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and h]
+    train_measured = [m for m, ok, h in zip(measured, fits, holdout, strict=True) if ok and not h]
+    packed_train = [m[1] for m in train_measured]
     report = {
         "objective": str(cfg.objective.name),
         "inputs": [{"file": f, "format": fmt, "records": n} for (f, fmt), n in
@@ -224,7 +235,10 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
                   "train": len(train_rows), "holdout": len(holdout_rows),
                   "paired": all("chosen" in row for row in rows)},
         "tokens": {"model": str(cfg.model.name), "longest_sequence_of_pair": True,
-                   "train": distribution(train_len), "holdout": distribution(holdout_len)},
+                   "train": distribution(train_len), "holdout": distribution(holdout_len),
+                   # what a packed DPO micro-batch holds per pair (the plan's unit): the prompt once, both answers
+                   "packed_pair_train": distribution(packed_train),
+                   "answer_share_train": round(sum(m[2] for m in train_measured) / max(1, sum(packed_train)), 4)},
         "scrub": bool(data.scrub),
     }
     metrics = {"pairs_train": len(train_rows), "pairs_holdout": len(holdout_rows), "ties": len(ties),

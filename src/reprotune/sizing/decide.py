@@ -182,8 +182,21 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
                   reasons=tuple(reasons))
 
 
-def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
-    """The memory model's view of the configured run (checkpointing=auto counted as on: the fit decides)."""
+def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
+    """DPO on packed pairs (reprotune.preference.packed): modelled as packed rows, one pair per row."""
+    return objective_name(cfg) == "dpo" and p.packing
+
+
+def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
+    """The longest packed pair: from the prepared pairs, else its bound (a prompt and two answers, each sequence
+    at most data.max_length: 2 * max_length)."""
+    data = load_data_shape(cfg) if data == "prepared" else data
+    return data.max_tokens if data else 2 * int(cfg.train.max_length)
+
+
+def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "prepared") -> Settings:
+    """The memory model's view of the configured run (checkpointing=auto counted as on: the fit decides); packed
+    DPO pairs as packed rows of the longest pair (rows = pairs per micro-batch)."""
     method, train = cfg.method, cfg.train
     targets = method.target_modules or cfg.model.lora_target_modules
     targets = [targets] if isinstance(targets, str) else list(targets)
@@ -196,7 +209,8 @@ def _memory_view(cfg: DictConfig, p: _Paths) -> Settings:
                     dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
                     checkpointing=True if _auto(ckpt) else bool(ckpt), packing=p.packing,
                     batch_size=int(train.per_device_train_batch_size),
-                    grad_accum=int(train.gradient_accumulation_steps), max_length=int(train.max_length),
+                    grad_accum=int(train.gradient_accumulation_steps),
+                    max_length=pair_row_tokens(cfg, data) if packed_pairs(cfg, p) else int(train.max_length),
                     # varlen_attention keeps what flex attention keeps for backward (q, k, v, out, lse): one rule
                     eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
@@ -232,12 +246,16 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     except PlanError as err:  # an unknown architecture must not block training: say so and go on as configured
         reasons.append(f"plan: {err} (no memory fit)")
         shape = None
-    if is_preference(cfg):  # the memory model is calibrated on SFT rows only: no fit, no data shape from pairs
+    if is_preference(cfg) and not packed_pairs(cfg, p):  # padded pairs (ORPO, KTO, packing off): not modelled
         data, shape = None, None
-        reasons.append("plan: preference objective: memory not modelled (uncalibrated: a pair is two sequences "
-                       "plus a reference forward); runs as configured, checkpointing as hardware says")
+        reasons.append(f"plan: {objective_name(cfg)} on padded pairs: memory not modelled (uncalibrated: two "
+                       "padded sequences per pair plus a reference forward); runs as configured, checkpointing as "
+                       "hardware says")
     data = load_data_shape(cfg) if data == "prepared" else data
-    planned = _memory_view(cfg, p) if shape else None
+    if shape is not None and packed_pairs(cfg, p):
+        reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
+                       "once, both answers); the reference forward runs without gradients")
+    planned = _memory_view(cfg, p, data) if shape else None
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt, every = cfg.hardware.gradient_checkpointing, every_n_layers(cfg)
     offload, tiled = long_context_switches(cfg, hw.device)

@@ -129,15 +129,15 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
               run: RunSettings | None = None) -> dict[str, Any]:
     """The whole plan as a JSON-able dict, for `hw` (make train's preflight: this GPU; make plan: the largest card,
     the H200). shape: as reprotune.sizing.decide.decide takes it; run: decide's answer when already known."""
-    if is_preference(cfg):  # the memory model is calibrated on SFT rows; refusing beats an unmeasured number
-        raise PlanError(f"objective={cfg.objective.name}: preference memory is not modelled yet (a pair is two "
-                        "sequences plus a reference forward; uncalibrated); the SFT plan of the same overrides "
-                        "is a lower bound")
+    described = hw or card("H200")
+    if is_preference(cfg) and not decide(cfg, described, shape, None).packing:  # padded pairs: not modelled
+        raise PlanError(f"objective={cfg.objective.name}: memory of padded preference pairs is not modelled (two "
+                        "padded sequences per pair plus a reference forward; uncalibrated); the plan models DPO "
+                        "on packed pairs (the GPU default)")
     tables = load_tables()
     consts = tables["memory"]
     shape = shape or model_shape(cfg.model)
     data = load_data_shape(cfg)
-    described = hw or card("H200")
     run = run or decide(cfg, described, shape, data)
     s, mem, budget = run.planned, run.predicted, run.budget_bytes
     base = configured_settings(cfg, described)

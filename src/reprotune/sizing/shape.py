@@ -175,8 +175,29 @@ def data_shape_from_prepared(prepared: Path | str) -> dict[str, Any]:
             "overlong": int(report["examples"]["overlong"]["count"]), "source": str(prepared)}
 
 
+def pair_shape_from_prepared(prepared: Path | str) -> dict[str, Any] | None:
+    """Prepared DPO pairs as the packed micro-batch sees them (reprotune.preference.packed): a pair is one row of
+    its prompt once and both answers; the loss positions are the answers'. None: pairs prepared before the report
+    counted them (prepare them again)."""
+    prepared = Path(prepared)
+    report = json.loads((prepared / "report.json").read_text())
+    packed = report["tokens"].get("packed_pair_train")
+    if not packed or not packed.get("n"):
+        return None
+    return {"examples": int(packed["n"]), "max_tokens": int(packed["max"]), "mean_tokens": float(packed["mean"]),
+            "total_tokens": int(packed["total"]), "assistant_share": float(report["tokens"]["answer_share_train"]),
+            "prepared_max_length": report.get("max_length"), "tokenizer_model": report["tokens"].get("model"),
+            "overlong": int(report["pairs"]["overlong"]["dropped"]), "source": str(prepared)}
+
+
 def load_data_shape(cfg: DictConfig) -> DataShape | None:
+    """The prepared training data's shape: conversations, or (a preference objective) packed pairs."""
+    from reprotune.preference import is_preference
+
     prepared = Path(cfg.paths.prepared)
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
+    if is_preference(cfg):
+        found = pair_shape_from_prepared(prepared)
+        return DataShape(**found) if found else None
     return DataShape(**data_shape_from_prepared(prepared))
