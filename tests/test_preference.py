@@ -154,12 +154,16 @@ def run_train(root: Path, *overrides: str) -> dict:
     return train(compose([*PAIRS_TRAIN, f"paths.root={root}", *overrides]))
 
 
-def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_path: Path, packing: bool) -> None:
+    """TRL's padded pairs, and the packed pairs of reprotune.preference.packed (the GPU default) on the CPU."""
     records = []
     for name in ("one", "two"):
         pair_workspace(tmp_path / name)
-        records.append(run_train(tmp_path / name, "objective=dpo"))
+        records.append(run_train(tmp_path / name, "objective=dpo", f"train.packing={packing}"))
     one, two = records
+    assert one["run_settings"]["packing"] is packing
+    assert one["run_settings"]["attn_implementation"] == ("pair_dense" if packing else None)
     assert one["outputs"]["adapter"]["sha256"] == two["outputs"]["adapter"]["sha256"]
     assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.1,
                                 "loss_type": ["sigmoid"], "init_adapter": None}
@@ -170,14 +174,16 @@ def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_pat
     assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "ref").exists()
 
 
-def test_dpo_starts_from_an_sft_adapter_which_is_the_reference(tmp_path: Path,
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_dpo_starts_from_an_sft_adapter_which_is_the_reference(tmp_path: Path, packing: bool,
                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
     from safetensors.torch import load_file
 
     sft = tmp_path / "sft_adapter"
     shutil.copytree(tiny_adapter_run(tmp_path_factory) / "outputs" / "adapter", sft)
     pair_workspace(tmp_path)
-    record = run_train(tmp_path, "objective=dpo", f"objective.init_adapter={sft}")
+    record = run_train(tmp_path, "objective=dpo", f"objective.init_adapter={sft}", f"train.packing={packing}")
+    assert record["run_settings"]["packing"] is packing
     assert record["objective"]["reference"] == "init_adapter (a frozen copy of it, TRL's 'ref' adapter)"
     assert record["objective"]["init_adapter"]["sha256"]
     out = tmp_path / "outputs" / "adapter"
