@@ -38,6 +38,8 @@ def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None,
     shape = model_shape(cfg.model)
     p = count_params(shape, list(s.targets), s.r, s.dora)
     data = DataShape(**entry["data_shape"])
+    if entry.get("plan_bound") == "longest_pair_rows":  # packed DPO pairs: rows of the recorded longest pair
+        s = replace(s, max_length=data.max_tokens)
     mem = memory(shape, p, s, data, consts or load_table("memory.yaml"))
     tps, _ = tokens_per_second(shape, s, data, "H200", {"throughput": throughput or load_table("throughput.yaml")})
     return {"peak_gib": mem["peak_gib"], "reserved_gib": mem["reserved_gib"], "tokens_per_second": round(tps),
@@ -64,6 +66,7 @@ def calibration_errors(entries: list[dict[str, Any]], consts: dict[str, Any] | N
                      "tokens_per_second_error": round((pred["tokens_per_second"] - tps) / tps, 4) if tps else None,
                      "tokens_per_second_outlier": e.get("tokens_per_second_outlier"),
                      "left_out_of_fit": e.get("left_out_of_throughput_fit"),
+                     "plan_bound": e.get("plan_bound"),
                      "model": pred["model"], "settings": pred["settings"], "work": pred["work"]})
     return rows
 

@@ -212,7 +212,9 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     grad_accum=int(train.gradient_accumulation_steps),
                     max_length=pair_row_tokens(cfg, data) if packed_pairs(cfg, p) else int(train.max_length),
                     # varlen_attention keeps what flex attention keeps for backward (q, k, v, out, lse): one rule
-                    eager_attention=attn == "eager", mask_repeats_kv=attn != "eager" and not attn.startswith("flash"),
+                    # pair_dense (strict DPO) keeps each document's score matrix for backward, as eager does
+                    eager_attention=attn in ("eager", "pair_dense"),
+                    mask_repeats_kv=attn not in ("eager", "pair_dense") and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
                     tiled_mlp=tile_tokens(cfg) if tiled else 0)
