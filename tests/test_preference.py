@@ -248,6 +248,23 @@ def test_decide_plans_packed_dpo_pairs_and_runs_padded_ones_as_configured(tmp_pa
     assert decide(compose([*base, "objective=dpo"]), Hardware("cpu"), None, None).per_device_train_batch_size == 4
 
 
+def test_packed_dpo_pairs_never_get_the_tiled_mlp_or_offloading_unasked(tmp_path: Path) -> None:
+    """Measured on the H200: the tiled MLP's recompute fails on packed pairs, and offloading halves their speed
+    (a new row length every micro-step); a budget that SFT would meet with them gets neither for DPO."""
+    base = [f"paths.root={tmp_path}", "model=qwen3_8b_random", "data.max_length=2048", "objective=dpo",
+            "method=qlora", "hardware.memory_budget_gib=8"]
+    run = decide(compose(base), card("H200"), None, pair_shape(1668, 938.0))
+    assert not run.activation_offloading and run.tiled_mlp_tokens == 0
+    sft = decide(compose([*base[:3], "method=qlora", "hardware.memory_budget_gib=8", "data.max_length=16384"]),
+                 card("H200"), None, None)
+    assert sft.activation_offloading or sft.tiled_mlp_tokens  # the control: SFT at this budget does use them
+    forced = decide(compose([*base, "hardware.activation_offloading=true"]), card("H200"), None,
+                    pair_shape(1668, 938.0))
+    assert forced.activation_offloading
+    with pytest.raises(ReprotuneError, match="hardware.tiled_mlp=true: not with DPO's packed pairs"):
+        decide(compose([*base, "hardware.tiled_mlp=true"]), card("H200"), None, None)
+
+
 @pytest.mark.slow  # three training processes, one killed mid-run
 def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -> None:
     """The SFT resume machinery (reprotune.checkpoints: sealed checkpoints, the run's fingerprint) under DPO."""
