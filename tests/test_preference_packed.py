@@ -49,6 +49,7 @@ def _trainer(tmp: Path, preset: str, pack: bool):
     assert run.attn_implementation == (packed.DENSE if pack else None)
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg.model)
+    packed.register_pair_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, "cpu", "float32", run.attn_implementation)
     trainer_class, _ = trl_classes("dpo")
     if pack:

@@ -86,6 +86,7 @@ def test_a_dpo_step_on_packed_pairs_matches_the_padded_batch_in_bf16(tmp_path) -
         assert run.packing is pack and (run.attn_implementation == packed.VARLEN) is pack
         model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
         tokenizer = load_tokenizer(model_dir, cfg.model)
+        packed.register_pair_attention(run.attn_implementation)
         model = load_base_model(model_dir, cfg, "cuda", "bfloat16", run.attn_implementation).cuda()
         trainer_class, _ = trl_classes("dpo")
         if pack:

@@ -357,10 +357,6 @@ def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_impl
         kwargs["attn_implementation"] = attn_implementation
     if attn_implementation == varlen_attention.NAME:
         varlen_attention.register()  # transformers checks the name when the model loads
-    from reprotune.preference import packed
-
-    if attn_implementation in (packed.VARLEN, packed.DENSE):  # DPO's packed pairs
-        packed.register()
     quant = quantization(cfg)
     if quant:
         kwargs["quantization_config"] = BitsAndBytesConfig(

@@ -37,7 +37,7 @@ from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_err
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
 from reprotune.preference import is_preference
-from reprotune.preference.packed import packed_dpo_trainer_class
+from reprotune.preference.packed import packed_dpo_trainer_class, register_pair_attention
 from reprotune.preference.trainers import (
     completion_tokens,
     init_adapter_dir,
@@ -475,6 +475,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
+    register_pair_attention(run.attn_implementation)  # DPO's packed pairs: transformers checks the name at load
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if is_preference(cfg):  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg))

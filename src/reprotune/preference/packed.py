@@ -224,6 +224,12 @@ def register() -> None:
     AttentionMaskInterface.register(DENSE, flash_attention_mask)
 
 
+def register_pair_attention(attn_implementation: str | None) -> None:
+    """register() when the run's attention is one of the pair kernels (before the model loads)."""
+    if attn_implementation in (VARLEN, DENSE):
+        register()
+
+
 # ------------------------------------------------------------------------------------------ the model call
 def unpack_outputs(packed: Packed, outputs: Any) -> Any:
     """TRL's FusedCausalLMOutput of the packed row, as the padded batch would have given it."""
