@@ -51,14 +51,28 @@ def test_default_is_builtin_model_and_invoice_data() -> None:
 
 
 def test_params_yaml_in_sync_with_conf(tmp_path: Path) -> None:
-    """params.yaml (what DVC tracks) must be what 'make params' writes from conf/ now."""
-    from reprotune.config import dump_params
+    """params.yaml and params_pref.yaml (what DVC tracks) must be what 'make params' writes from conf/ now; the
+    preference file is the SFT one with objective=dpo (the default of a fresh clone's dvc repro)."""
+    from reprotune.config import dump_chain_params
 
-    fresh = tmp_path / "params.yaml"
-    dump_params([], fresh)
-    committed = Path("params.yaml")
-    assert yaml.safe_load(committed.read_text()) == yaml.safe_load(fresh.read_text()), \
-        "params.yaml is stale: run 'make params' and commit it"
+    dump_chain_params([], tmp_path)
+    for name in ("params.yaml", "params_pref.yaml"):
+        assert yaml.safe_load(Path(name).read_text()) == yaml.safe_load((tmp_path / name).read_text()), \
+            f"{name} is stale: run 'make params' and commit it"
+    sft, pref = (yaml.safe_load((tmp_path / n).read_text()) for n in ("params.yaml", "params_pref.yaml"))
+    assert sft["objective"] == {"name": "sft"} and pref["objective"]["name"] == "dpo"
+    assert pref["objective"]["init_adapter"] == "./outputs/adapter"  # the SFT adapter: the chain sft -> dpo
+    assert {k: v for k, v in sft.items() if k != "objective"} == {k: v for k, v in pref.items() if k != "objective"}
+
+
+def test_a_preference_run_writes_both_chains_from_one_set_of_args(tmp_path: Path) -> None:
+    """objective.* goes to params_pref.yaml alone; every other override to both (the SFT run it starts from)."""
+    from reprotune.config import dump_chain_params
+
+    dump_chain_params(["objective=kto", "objective.beta=0.3", "train.max_steps=7"], tmp_path)
+    sft, pref = (yaml.safe_load((tmp_path / n).read_text()) for n in ("params.yaml", "params_pref.yaml"))
+    assert sft["objective"] == {"name": "sft"} and sft["train"]["max_steps"] == 7
+    assert pref["objective"]["name"] == "kto" and pref["objective"]["beta"] == 0.3 and pref["train"]["max_steps"] == 7
 
 
 def test_training_template_renders_like_the_model_template() -> None:

@@ -30,6 +30,7 @@ TINY = ["model=tiny_random", "train.max_steps=3", "train.save_steps=3", "train.l
         "eval.max_new_tokens=16", "export.merge.prompts=2", "export.parity.examples=2",
         "export.parity.max_new_tokens=16"]
 ALL = ["prepare", "train", "eval", "merge", "gguf"]
+PREF = ["prepare_pairs", "train_pref", "eval_pref"]  # make repro's second chain (params_pref.yaml, objective=dpo)
 TIMES: dict[str, float] = {}
 
 
@@ -106,30 +107,32 @@ def _append_comment(root: Path, rel: str) -> None:
 # (what changes, extra ARGS, a file edited, the stages expected to run), applied one after the other
 MATRIX = [
     ("nothing", (), None, []),
-    ("eval.max_new_tokens=8", ("eval.max_new_tokens=8",), None, ["eval"]),
+    ("eval.max_new_tokens=8", ("eval.max_new_tokens=8",), None, ["eval", "eval_pref"]),
     ("export.parity.max_new_tokens=8", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"), None,
      ["gguf"]),
     ("edit src/reprotune/modelfile.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
      "src/reprotune/modelfile.py", ["gguf"]),
     ("edit src/reprotune/metrics.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
-     "src/reprotune/metrics.py", ["eval"]),
+     "src/reprotune/metrics.py", ["eval", "eval_pref"]),
     ("export.merge.prompts=3", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3"),
      None, ["merge", "gguf"]),
     ("train.max_steps=4", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3",
-                           "train.max_steps=4"), None, ["train", "eval", "merge", "gguf"]),
+                           "train.max_steps=4"), None, ["train", "eval", "merge", "gguf", "train_pref", "eval_pref"]),
 ]
 
 
 def test_rerun_matrix(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> None:
     """make repro (all stages) after each change: which stages ran."""
     root, env = clone
-    rows = []
+    ran = make(root, "repro", env)  # the preference chain's first run (DPO from the SFT adapter): the SFT one is current
+    rows = [("first make repro (the preference chain)", ran)]
+    assert ran == PREF
     for label, extra, edited, expected in MATRIX:
         if edited:
             _append_comment(root, edited)
         ran = make(root, "repro", env, extra)
         rows.append((label, ran))
-        assert sorted(ran, key=ALL.index) == expected, (label, ran)
+        assert sorted(ran, key=[*ALL, *PREF].index) == expected, (label, ran)
     # the model cache somewhere else: no stage reads where it is, so nothing re-runs
     other = dict(env, REPROTUNE_CACHE=str(root.parent / "other-cache"))
     ran = make(root, "repro", other, MATRIX[-1][1])

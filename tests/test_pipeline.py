@@ -16,7 +16,7 @@ from .conftest import REPO
 
 def test_dvc_yaml_is_fresh() -> None:
     """Editing a stage's imports or config reads without 'make dvc-yaml' fails here."""
-    assert (REPO / "dvc.yaml").read_text() == pipeline.render(pipeline.default_config()), \
+    assert (REPO / "dvc.yaml").read_text() == pipeline.render(*pipeline.default_configs()), \
         "dvc.yaml is stale: run 'make dvc-yaml' and commit it"
 
 
@@ -63,19 +63,43 @@ def f(cfg):
 def test_params_are_exactly_what_each_stage_reads() -> None:
     """Reads follow calls: gguf imports merge for two helpers, not merge's params; eval reads no train.* key."""
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    params = {name: st["params"] for name, st in stages.items()}
+    files = {name: next(iter(st["params"][0])) if isinstance(st["params"][0], dict) else "params.yaml"
+             for name, st in stages.items()}
+    params = {name: st["params"][0][files[name]] if files[name] != "params.yaml" else st["params"]
+              for name, st in stages.items()}
+    assert {n for n, f in files.items() if f == "params_pref.yaml"} == {"prepare_pairs", "train_pref", "eval_pref"}
     assert "export.merge.prompts" in params["merge"] and not any(p.startswith("export.merge") for p in params["gguf"])
     assert "train" in params["train"] and not any(p.startswith("train") for p in params["eval"])
     assert "export.parity.examples" in params["gguf"] and "eval.max_new_tokens" in params["eval"]
     assert not any(p.startswith("paths") for ps in params.values() for p in ps)
-    # every listed param exists in the composed config (DVC refuses a stage whose param is missing)
-    config = pipeline.default_config()
+    # the SFT stages refuse a preference objective at start (check_chain): objective is none of their params
+    assert not any(p.startswith("objective") for n, ps in params.items() if files[n] == "params.yaml" for p in ps)
+    assert "objective" in params["train_pref"] and "objective" in params["eval_pref"] and "train" in params["train_pref"]
+    # every listed param exists in its composed config (DVC refuses a stage whose param is missing)
+    sft, pref = pipeline.default_configs()
     for name, keys in params.items():
         for key in keys:
-            node = config
+            node = pref if files[name] == "params_pref.yaml" else sft
             for part in key.split("."):
                 assert isinstance(node, dict) and part in node, (name, key)
                 node = node[part]
+
+
+def test_the_preference_chain_has_its_own_outputs_after_sfts() -> None:
+    """prepare_pairs -> train_pref -> eval_pref: data/pairs and outputs/pref, never an SFT output; train_pref starts
+    from the SFT adapter (a dep, so dvc repro builds SFT first) and eval_pref compares against it."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    outs = {name: {next(iter(o)) for kind in ("outs", "metrics", "plots") for o in st.get(kind, [])}
+            for name, st in stages.items()}
+    sft_outs = set().union(*(outs[n] for n in ("prepare", "train", "eval", "merge", "gguf")))
+    for name in ("prepare_pairs", "train_pref", "eval_pref"):
+        assert outs[name] and not outs[name] & sft_outs, name
+        assert all(o.startswith(("data/pairs/", "outputs/pref/")) for o in outs[name]), name
+        assert "--config-name params_pref " in stages[name]["cmd"]
+    assert {"data/pairs/train.jsonl", "outputs/adapter"} <= set(stages["train_pref"]["deps"])
+    assert {"data/pairs/holdout.jsonl", "outputs/pref/adapter", "outputs/adapter"} <= set(stages["eval_pref"]["deps"])
+    assert "${data.preference.path}" in stages["prepare_pairs"]["deps"]
+    assert all("--config-name params " in stages[n]["cmd"] for n in ("prepare", "train", "eval", "merge", "gguf"))
 
 
 def test_prepare_depends_on_the_users_data_path(tmp_path) -> None:

@@ -80,7 +80,7 @@ def prepared(root: Path, data: Path, *overrides: str) -> tuple[list[dict], list[
 
     prepare(compose([f"paths.root={root}", "model=tiny_random", "objective=dpo", f"data.path={data}",
                      "data.scrub=false", *overrides]))
-    out = root / "data" / "prepared"
+    out = root / "data" / "pairs"  # its own folder: an SFT prepare's data/prepared is left alone
     read = lambda f: [json.loads(x) for x in (out / f).read_text().splitlines()]  # noqa: E731
     return read("train.jsonl"), read("holdout.jsonl"), json.loads((out / "report.json").read_text())
 
@@ -140,18 +140,21 @@ PAIRS_TRAIN = ["model=tiny_random", "train.max_steps=2", "train.save_steps=100",
                "train.per_device_train_batch_size=2", "train.learning_rate=1e-2"]
 
 
-def pair_workspace(root: Path, fixture: str = "trl_conversational.jsonl") -> None:
-    """data/prepared/train.jsonl as prepare writes it for objective=dpo (the fixture read as it is, ties dropped)."""
+def pair_workspace(root: Path, fixture: str = "trl_conversational.jsonl", folder: str = "pairs") -> None:
+    """data/pairs/train.jsonl as prepare writes it for objective=dpo (the fixture read as it is, ties dropped)."""
     records, _, _ = read_preference_data(FIX / fixture, "auto", {}, "error")
-    (root / "data" / "prepared").mkdir(parents=True, exist_ok=True)
+    (root / "data" / folder).mkdir(parents=True, exist_ok=True)
     rows = [r.row for r in records if r.row.get("chosen") != r.row.get("rejected") or "label" in r.row]
-    (root / "data/prepared/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / f"data/{folder}/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def run_train(root: Path, *overrides: str) -> dict:
+    """train() on root; a preference objective from a fresh adapter unless the overrides name one to start from."""
     from reprotune.train import train
 
-    return train(compose([*PAIRS_TRAIN, f"paths.root={root}", *overrides]))
+    named = any(o.startswith("objective.init_adapter=") for o in overrides)
+    fresh = [] if named or not any(o.startswith("objective=") for o in overrides) else ["objective.init_adapter=null"]
+    return train(compose([*PAIRS_TRAIN, f"paths.root={root}", *fresh, *overrides]))
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
@@ -168,30 +171,42 @@ def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_pat
     assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.1,
                                 "loss_type": ["sigmoid"], "init_adapter": None}
     assert one["inputs"]["train_data"]["sha256"]
-    metrics = json.loads((tmp_path / "one/outputs/train/metrics.json").read_text())
+    metrics = json.loads((tmp_path / "one/outputs/pref/train/metrics.json").read_text())
     assert metrics["global_step"] == 2 and metrics["assistant_tokens"] > 0
-    adapter = tmp_path / "one/outputs/adapter"
+    adapter = tmp_path / "one/outputs/pref/adapter"
+    assert not (tmp_path / "one/outputs/adapter").exists() and not (tmp_path / "one/data/prepared").exists()
     assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "ref").exists()
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_dpo_starts_from_an_sft_adapter_which_is_the_reference(tmp_path: Path, packing: bool,
-                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_dpo_starts_from_the_sft_adapter_which_is_the_reference(tmp_path: Path, packing: bool,
+                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The default objective.init_adapter is the SFT run's outputs/adapter: trained further into outputs/pref, the
+    SFT adapter and its train record left byte for byte, recorded in the manifest by sha256; on TRL's padded
+    pairs and on packed ones (TRL's 'ref' adapter is the reference through the packed forward too)."""
     from safetensors.torch import load_file
 
-    sft = tmp_path / "sft_adapter"
-    shutil.copytree(tiny_adapter_run(tmp_path_factory) / "outputs" / "adapter", sft)
+    from reprotune.manifest import sha256_tree, tree_digest
+    from reprotune.train import train
+
+    sft_run = tiny_adapter_run(tmp_path_factory)
+    shutil.copytree(sft_run / "outputs", tmp_path / "outputs")
+    sft, sft_files = tmp_path / "outputs" / "adapter", sha256_tree(tmp_path / "outputs")
     pair_workspace(tmp_path)
-    record = run_train(tmp_path, "objective=dpo", f"objective.init_adapter={sft}", f"train.packing={packing}")
+    record = train(compose([*PAIRS_TRAIN, f"paths.root={tmp_path}", "objective=dpo",  # init_adapter: the default
+                            f"train.packing={packing}"]))
     assert record["run_settings"]["packing"] is packing
     assert record["objective"]["reference"] == "init_adapter (a frozen copy of it, TRL's 'ref' adapter)"
-    assert record["objective"]["init_adapter"]["sha256"]
-    out = tmp_path / "outputs" / "adapter"
+    init = record["objective"]["init_adapter"]
+    assert init["path"] == "outputs/adapter" and init["sha256"] == tree_digest(sha256_tree(sft_run / "outputs/adapter"))
+    out = tmp_path / "outputs" / "pref" / "adapter"
+    assert record["outputs"]["adapter"]["path"] == "outputs/pref/adapter"
     assert not (out / "ref").exists()  # TRL's frozen copy is not an output
     before, after = load_file(sft / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
     assert before.keys() == after.keys()
     assert any(not before[k].equal(after[k]) for k in before)  # trained further from the SFT weights
-    with pytest.raises(ReprotuneError, match="objective.init_adapter: is paths.adapter"):
+    assert {k: v for k, v in sha256_tree(tmp_path / "outputs").items() if not k.startswith("pref/")} == sft_files
+    with pytest.raises(ReprotuneError, match=r"objective.init_adapter: is this run's own output"):
         run_train(tmp_path, "objective=dpo", f"objective.init_adapter={out}")
 
 
@@ -205,21 +220,25 @@ def test_orpo_kto_and_dpo_on_dora_train_with_trl(tmp_path: Path, objective: str,
     assert record["objective"]["name"] == objective
     assert record["objective"]["reference"].startswith("none" if objective == "orpo" else "base")
     if method == "dora":
-        assert json.loads((tmp_path / "outputs/adapter/adapter_config.json").read_text())["use_dora"] is True
-    metrics = json.loads((tmp_path / "outputs/train/metrics.json").read_text())
+        assert json.loads((tmp_path / "outputs/pref/adapter/adapter_config.json").read_text())["use_dora"] is True
+    metrics = json.loads((tmp_path / "outputs/pref/train/metrics.json").read_text())
     assert metrics["global_step"] == 2 and metrics["final_train_loss"] == metrics["final_train_loss"]  # not NaN
 
 
 def test_wrong_data_for_the_objective_is_one_line(tmp_path: Path, workspace: tuple[Path, list[str]]) -> None:
     root, _ = workspace  # SFT conversations in data/prepared
-    with pytest.raises(ReprotuneError, match=r"train.jsonl:1: prompt: holds SFT conversations"):
+    shutil.copytree(root / "data/prepared", root / "data/pairs")  # ... where the pairs belong
+    with pytest.raises(ReprotuneError, match=r"pairs/train.jsonl:1: prompt: holds SFT conversations"):
         run_train(root, "objective=dpo")
     pair_workspace(tmp_path, "kto.jsonl")
-    with pytest.raises(ReprotuneError, match=r"train.jsonl:1: chosen: unpaired \(KTO\) data; objective=dpo"):
+    with pytest.raises(ReprotuneError, match=r"pairs/train.jsonl:1: chosen: unpaired \(KTO\) data; objective=dpo"):
         run_train(tmp_path, "objective=dpo")
-    pair_workspace(tmp_path)
-    with pytest.raises(ReprotuneError, match=r"train.jsonl:1: messages: holds preference data"):
+    pair_workspace(tmp_path, folder="prepared")
+    with pytest.raises(ReprotuneError, match=r"prepared/train.jsonl:1: messages: holds preference data"):
         run_train(tmp_path)  # objective=sft on pairs
+    pair_workspace(tmp_path)
+    with pytest.raises(ReprotuneError, match=r"outputs/adapter/adapter_config.json:0: objective.init_adapter: no "):
+        run_train(tmp_path, "objective=dpo", f"objective.init_adapter={tmp_path}/outputs/adapter")  # no SFT run yet
 
 
 def pair_shape(longest: int, mean: float) -> DataShape:
@@ -275,24 +294,25 @@ def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -
 
     from .test_resume import stage_env, wait_for_sealed
 
-    run = [*PAIRS_TRAIN, "objective=dpo", "train.max_steps=4", "train.save_steps=2"]
+    run = [*PAIRS_TRAIN, "objective=dpo", "objective.init_adapter=null", "train.max_steps=4", "train.save_steps=2"]
     cmd = lambda root: [sys.executable, "-m", "reprotune.train", *run, f"paths.root={root}"]  # noqa: E731
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for root in (straight, killed):
         pair_workspace(root)
     subprocess.run(cmd(straight), env=stage_env(), check=True, capture_output=True, timeout=600)
     proc = subprocess.Popen(cmd(killed), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_sealed(killed / "outputs/checkpoints", 2, proc)
+    wait_for_sealed(killed / "outputs/pref/checkpoints", 2, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (killed / "outputs/adapter").exists()
+    assert not (killed / "outputs/pref/adapter").exists()
     rerun = subprocess.run(cmd(killed), env=stage_env(2), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed, whole = (json.loads((r / "outputs/train/manifest.json").read_text()) for r in (killed, straight))
+    resumed, whole = (json.loads((r / "outputs/pref/train/manifest.json").read_text()) for r in (killed, straight))
     assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == "checkpoint-2"
     assert resumed["outputs"]["adapter"]["sha256"] == whole["outputs"]["adapter"]["sha256"]
-    assert (killed / "outputs/train/metrics.json").read_bytes() == (straight / "outputs/train/metrics.json").read_bytes()
+    assert (killed / "outputs/pref/train/metrics.json").read_bytes() == \
+        (straight / "outputs/pref/train/metrics.json").read_bytes()
 
 
 @pytest.mark.slow  # prepare + a DPO run on the built-in pairs + eval of three systems
@@ -315,7 +335,7 @@ def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
     assert "reward_accuracy" not in pref["base"] and {"reward_accuracy", "reward_margin"} <= pref["sft"].keys()
     assert pref["tuned"]["reward_margin"] != pref["sft"]["reward_margin"]  # DPO moved the adapter
     assert pref["sft"]["logp_chosen"] != pref["base"]["logp_chosen"]  # the SFT adapter really is loaded
-    out = tmp_path / "outputs" / "eval"
+    out = tmp_path / "outputs" / "pref" / "eval"
     assert json.loads((out / "metrics.json").read_text())["preference"] == pref
     assert "Holdout pairs (objective dpo)" in (out / "report.md").read_text()
     first = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
@@ -409,11 +429,73 @@ def test_a_holdout_of_mixed_rows_is_one_line(tmp_path: Path) -> None:
         pair_eval.read_pairs(tmp_path / "h.jsonl")
 
 
-def test_make_eval_on_a_kto_holdout_says_what_is_not_wired_in_one_line(tmp_path: Path) -> None:
+def eval_workspace(root: Path, factory: pytest.TempPathFactory, rows: list[dict]) -> list[str]:
+    """data/pairs/holdout.jsonl of these rows and the session's tiny adapter as the preference run's output; the
+    overrides of a make eval ARGS="objective=kto" on it."""
+    shutil.copytree(tiny_adapter_run(factory) / "outputs/adapter", root / "outputs/pref/adapter")
+    (root / "data/pairs").mkdir(parents=True)
+    (root / "data/pairs/holdout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"paths.root={root}", "model=tiny_random", "objective.init_adapter=null", "eval.max_new_tokens=8"]
+
+
+def test_make_eval_on_a_kto_holdout_scores_rows_and_desirable_answers(tmp_path: Path,
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    """KTO rows of the built-in task: the preference metrics on every row, the task metrics (field accuracy) on
+    the label-true rows, whose completion is the reference; report.md says so."""
+    import random
+
+    from reprotune.evaluate import evaluate
+    from reprotune.invoices import generate, wrong_extraction
+
+    rows = []
+    for i, ex in enumerate(generate(4, 99)):
+        answer = ex["messages"][-1]["content"]
+        good = i % 2 == 0
+        rows.append({"prompt": ex["messages"][:-1], "label": good, "completion": [
+            {"role": "assistant", "content": answer if good else wrong_extraction(answer, random.Random(i))}]})
+    over = eval_workspace(tmp_path, tmp_path_factory, rows)
+    result = evaluate(compose([*over, "objective=kto"]))
+    metrics = result["metrics"]
+    assert metrics["examples"] == 2 and metrics["preference"]["kto_rows"] == 4
+    assert metrics["preference"]["tuned"]["desirable"] == 2 and "reward_accuracy" in metrics["preference"]["tuned"]
+    assert 0 <= metrics["tuned"]["field_accuracy"] <= 1
+    out = tmp_path / "outputs/pref/eval"
+    report = (out / "report.md").read_text()
+    assert "Task metrics on the 2 KTO rows with label true" in report and "## Holdout KTO rows (objective kto)" in report
+    predictions = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [p["logps"]["index"] for p in predictions] == [0, 2]  # each example next to its own row's log-probs
+    assert predictions[1]["reference"] == rows[2]["completion"][0]["content"]
+    assert not (tmp_path / "outputs/eval").exists()  # the SFT eval's folder is not touched
+
+
+def test_make_eval_on_text_pairs_skips_the_task_pass_and_says_why(tmp_path: Path,
+                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    from reprotune.evaluate import evaluate
+
+    rows = [json.loads(x) for x in (FIX / "trl_standard.jsonl").read_text().splitlines()]
+    result = evaluate(compose(eval_workspace(tmp_path, tmp_path_factory, rows) + ["objective=dpo"]))
+    metrics = result["metrics"]
+    assert metrics["examples"] == 0 and metrics["preference"]["pairs"] == len(rows)
+    assert set(metrics) == {"examples", "preference"}  # no task metrics, no made-up ones
+    out = tmp_path / "outputs/pref/eval"
+
+    def numbers(node: object) -> bool:
+        return all(numbers(v) for v in node.values()) if isinstance(node, dict) else \
+            isinstance(node, int | float) and not isinstance(node, bool)
+
+    assert numbers(json.loads((out / "metrics.json").read_text()))  # what dvc metrics show reads
+    report = (out / "report.md").read_text()
+    assert "Task metrics: skipped. The holdout holds text (standard) rows" in report and "| reward_accuracy |" in report
+    assert (out / "comparison.png").stat().st_size > 0
+    assert result["manifest"]["task_pass"].startswith("Task metrics: skipped")
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_a_text_row_in_a_message_holdout_is_one_line(tmp_path: Path) -> None:
     from reprotune.evaluate import read_holdout
 
     (tmp_path / "holdout.jsonl").write_text(json.dumps({"prompt": "a", "completion": " b", "label": True}) + "\n")
-    with pytest.raises(ReprotuneError, match=r"holdout.jsonl:1: prompt: make eval's task pass .* KTO rows"):
+    with pytest.raises(ReprotuneError, match=r"holdout.jsonl:1: prompt: a text \(standard\) preference row"):
         read_holdout(tmp_path / "holdout.jsonl")
 
 
@@ -440,7 +522,7 @@ def test_tool_calls_results_and_tools_survive_prepare_and_train_with_dpo(tmp_pat
     assert paris["rejected"] == [a("It is sunny in Paris.")]
     record = run_train(tmp_path, "objective=dpo", TOOL_TEMPLATE)
     assert record["objective"]["name"] == "dpo"
-    assert json.loads((tmp_path / "outputs/train/metrics.json").read_text())["global_step"] == 2
+    assert json.loads((tmp_path / "outputs/pref/train/metrics.json").read_text())["global_step"] == 2
 
 
 def test_sharegpt_pairwise_function_call_and_observation_turns_are_tool_messages() -> None:

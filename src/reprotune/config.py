@@ -170,9 +170,9 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     return composed
 
 
-def dump_params(overrides: list[str], out: Path) -> None:
+def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = None) -> None:
     """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
-    composed = compose_checked(overrides)
+    composed = composed if composed is not None else compose_checked(overrides)
     # Resolved like DVC's own Hydra composition (dvc exp run -S), so both forms track the same values and
     # an interpolated key (train.max_length: ${data.max_length}) changes in params.yaml when its source does;
     # paths stay unresolved: where things live (REPROTUNE_CACHE) is no parameter of any stage.
@@ -180,15 +180,51 @@ def dump_params(overrides: list[str], out: Path) -> None:
     cfg["paths"] = OmegaConf.to_container(composed.paths, resolve=False)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
            "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
-    atomic_write_text(out, PARAMS_HEADER + OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    header = PARAMS_HEADER if out.name != PREF_PARAMS_FILE else PREF_PARAMS_HEADER
+    atomic_write_text(out, header + OmegaConf.to_yaml(OmegaConf.create(cfg)))
+
+
+# ------------------------------------------------------------------ the two chains: params.yaml, params_pref.yaml
+PARAMS_FILE, PREF_PARAMS_FILE = "params.yaml", "params_pref.yaml"
+PREF_PARAMS_HEADER = """\
+# GENERATED like params.yaml (python -m reprotune.config; make train|eval|repro with a preference objective), with
+# the objective: the preference stages (prepare_pairs, train_pref, eval_pref) run '--config-name params_pref'.
+# Every other setting is params.yaml's, so the preference run starts from the SFT run of the same settings.
+"""
+# reprotune.preference's objectives (here, so that config, which every stage imports, imports no preference code)
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto")
+DEFAULT_PREFERENCE = "objective=dpo"  # what make repro (and a fresh clone's dvc repro) runs after SFT
+
+
+def is_objective_override(item: str) -> bool:
+    key = item.lstrip("+~").partition("=")[0]
+    return key == "objective" or key.startswith("objective.") or key.startswith("objective/")
+
+
+def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = True) -> DictConfig:
+    """params_pref.yaml from the overrides (objective=dpo added when they name no preference objective), and,
+    with sft, params.yaml from the same overrides without the objective ones: both chains share every setting
+    but the objective (a preference run's own steps and learning rate are objective.* keys, DPOConfig's). Every
+    problem is raised before either file changes. Returns the preference config."""
+    plain = [o for o in overrides if not is_objective_override(o)]
+    pref = compose_checked(overrides)
+    pref_over = overrides
+    if OmegaConf.select(pref, "objective.name") not in PREFERENCE_OBJECTIVES:
+        pref_over = [*plain, DEFAULT_PREFERENCE]
+        pref = compose_checked(pref_over)
+    base = compose_checked(plain) if sft else None
+    dump_params(pref_over, root / PREF_PARAMS_FILE, pref)
+    if base is not None:
+        dump_params(plain, root / PARAMS_FILE, base)
+    return pref
 
 
 if __name__ == "__main__":
     import sys
 
-    with user_errors():
-        dump_params(sys.argv[1:], Path("params.yaml"))
-    print("wrote params.yaml")
+    with user_errors():  # both chains' files (make params)
+        dump_chain_params(sys.argv[1:])
+    print("wrote params.yaml, params_pref.yaml")
 
 
 def every_n_layers(cfg: DictConfig) -> int:

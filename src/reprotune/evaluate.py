@@ -38,7 +38,7 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text, fresh_dir, iter_jsonl, jsonl_text, replace_all, save_figure
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
-from reprotune.preference import is_preference, pair_eval
+from reprotune.preference import is_preference, pair_eval, route_paths
 from reprotune.runtime import attention, resolve_device, resolve_dtype, set_reproducibility
 
 log = logging.getLogger("reprotune.evaluate")
@@ -69,20 +69,31 @@ class Example:
     index: int                      # line order in the holdout file
     prompt: list[dict[str, str]]    # every message but the last (assistant) one
     reference: str                  # the last assistant message
+    row: int | None = None          # a preference holdout: the row it comes from (KTO: only label-true rows)
 
 
 def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
-    """Validate while reading: a bad line is reported by file, line number and field."""
+    """Validate while reading: a bad line is reported by file, line number and field. A preference holdout's
+    conversational rows are examples too: a pair's chosen answer, a KTO row's completion when its label is
+    true, is the reference (a label-false row has none); max_examples counts rows."""
     examples: list[Example] = []
+    rows = 0
     for lineno, row in iter_jsonl(path, "run 'make prepare' first"):
         where = f"{path}:{lineno}"
+        rows += 1
         messages = row.get("messages") if isinstance(row, dict) else None
-        if isinstance(row, dict) and messages is None and isinstance(row.get("chosen"), list):
-            messages = [*row.get("prompt", []), *row["chosen"]]  # a preference pair: the chosen answer is the reference
-        elif isinstance(row, dict) and messages is None and pair_eval.row_kind(row):
-            raise ReprotuneError(f"{where}: prompt: make eval's task pass (generation, field accuracy) reads "
-                                 "conversational pairs; text pairs and KTO rows are scored by "
-                                 "reprotune.preference.pair_eval.preference_eval only (not wired into make eval yet)")
+        kind = pair_eval.row_kind(row) if messages is None else None
+        if kind and isinstance(row["prompt"], str):
+            raise ReprotuneError(f"{where}: prompt: a text (standard) preference row; make eval's task pass "
+                                 "(generation, field accuracy) reads message rows, and one holdout holds one kind")
+        if kind == "pairs":
+            messages = [*row["prompt"], *row["chosen"]]  # a preference pair: the chosen answer is the reference
+        elif kind == "kto" and not row["label"]:
+            if max_examples and rows >= max_examples:
+                break
+            continue  # an undesirable completion is no reference
+        elif kind == "kto":
+            messages = [*row["prompt"], *row["completion"]]
         if not isinstance(messages, list) or len(messages) < 2:
             raise ReprotuneError(f"{where}: messages: must be a list of at least 2 messages")
         for i, msg in enumerate(messages):
@@ -91,8 +102,8 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
                 raise ReprotuneError(f"{where}: messages[{i}]: needs string 'role' and 'content'")
         if messages[-1]["role"] != "assistant":
             raise ReprotuneError(f"{where}: messages[-1].role: must be 'assistant' (the reference)")
-        examples.append(Example(len(examples), messages[:-1], messages[-1]["content"]))
-        if max_examples and len(examples) >= max_examples:
+        examples.append(Example(len(examples), messages[:-1], messages[-1]["content"], rows - 1 if kind else None))
+        if max_examples and rows >= max_examples:
             break
     if not examples:
         raise ReprotuneError(f"{path}:1: file: holds no examples")
@@ -364,7 +375,7 @@ def differing_examples(records: list[dict], primary: str, limit: int) -> list[di
 
 
 def write_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], records: list[dict],
-                 names: Sequence[str], primary: str) -> str:
+                 names: Sequence[str], primary: str, note: str | None = None) -> str:
     systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
     table = summary_table(metrics, names)
     n_differ = sum(r["predictions"]["base"] != r["predictions"]["tuned"] for r in records)
@@ -379,7 +390,9 @@ def write_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], records: 
         "",
         table,
         "",
-        *([f"## Holdout pairs (objective {cfg.objective.name}): implicit reward against the base", "",
+        *([note, ""] if note else []),
+        *([f"## Holdout {'pairs' if 'pairs' in metrics['preference'] else 'KTO rows'} (objective "
+           f"{cfg.objective.name}): implicit reward against the base", "",
            pair_eval.table(metrics["preference"]), ""] if "preference" in metrics else []),
         f"## Where base and tuned differ ({n_differ} of {metrics['examples']}; "
         f"{len(shown)} shown, worst regressions first)",
@@ -445,7 +458,7 @@ def write_predictions(path: Path, records: list[dict]) -> None:
 
 
 def write_outputs(out_dir: Path, root: Path, cfg: DictConfig, metrics: dict[str, Any], records: list[dict],
-                  names: Sequence[str], primary: str, record: dict[str, Any]) -> str:
+                  names: Sequence[str], primary: str, record: dict[str, Any], note: str | None = None) -> str:
     """Every output file, as one set: all are written into `<eval_dir>.tmp` first and renamed over the
     previous ones only once the last (the manifest, with their hashes) is there, so a failure or a kill while
     writing leaves the previous set byte for byte. DVC's declared paths stay the single files in eval_dir.
@@ -455,8 +468,12 @@ def write_outputs(out_dir: Path, root: Path, cfg: DictConfig, metrics: dict[str,
     staged = fresh_dir(out_dir)
     write_predictions(staged / OUTPUT_FILES["predictions"], records)
     mf.write_json(staged / OUTPUT_FILES["metrics"], metrics)  # deterministic: timings go to the manifest
-    table = write_report(staged / OUTPUT_FILES["report"], cfg, metrics, records, names, primary)
-    plot_comparison(metrics, names, staged / OUTPUT_FILES["comparison_plot"])
+    if metrics["examples"]:
+        table = write_report(staged / OUTPUT_FILES["report"], cfg, metrics, records, names, primary, note)
+        plot_comparison(metrics, names, staged / OUTPUT_FILES["comparison_plot"])
+    else:  # a preference holdout without a task pass
+        table = write_preference_report(staged / OUTPUT_FILES["report"], cfg, metrics, note or "")
+        plot_preference(metrics, staged / OUTPUT_FILES["comparison_plot"])
     # recorded under the paths they will have, hashed where they are now (the rename keeps the bytes)
     record["outputs"] = {key: {"path": Path(os.path.relpath(out_dir / name, root)).as_posix(),
                                "sha256": mf.sha256_file(staged / name)}
@@ -468,12 +485,61 @@ def write_outputs(out_dir: Path, root: Path, cfg: DictConfig, metrics: dict[str,
     return table
 
 
-def preference_pass(cfg: DictConfig, model, tokenizer, holdout: Path) -> tuple[dict[str, Any], list[dict]]:
-    """A preference run's holdout pairs through base, the SFT adapter it started from and the trained adapter."""
+def preference_pass(cfg: DictConfig, model, tokenizer, rows: list[dict]) -> tuple[dict[str, Any], list[dict]]:
+    """A preference run's holdout rows through base, the SFT adapter it started from and the trained adapter."""
     init = cfg.objective.get("init_adapter")
     init_dir = Path(str(init)) if init and (Path(str(init)) / "adapter_config.json").is_file() else None
-    rows = pair_eval.read_pairs(holdout, cfg.eval.max_examples)
     return pair_eval.preference_eval(model, tokenizer, rows, float(cfg.objective.get("beta") or 0.1), init_dir)
+
+
+def task_pass_note(rows: list[dict], examples: int) -> str:
+    """What report.md says of a preference holdout's task metrics: which rows they are computed on, or why none."""
+    if isinstance(rows[0]["prompt"], str):
+        return ("Task metrics: skipped. The holdout holds text (standard) rows: a prompt string without chat turns, "
+                "so there is no chat prompt to generate an answer from and score as the task does; the preference "
+                "metrics below are computed on every row.")
+    if "chosen" in rows[0]:
+        return f"Task metrics on the {examples} holdout pairs: the chosen answer is the reference."
+    undesirable = sum(not r["label"] for r in rows)
+    if not examples:
+        return (f"Task metrics: skipped. All {undesirable} KTO holdout rows have label false: an undesirable "
+                "completion is no reference to score generations against.")
+    return (f"Task metrics on the {examples} KTO rows with label true (their completion is the reference); the "
+            f"{undesirable} rows with label false have no reference.")
+
+
+def preference_holdout(cfg: DictConfig, holdout: Path) -> tuple[list[dict], list[Example]]:
+    """The rows of a preference holdout, and the examples of its task pass (none for text rows, nor for KTO rows
+    that are all undesirable)."""
+    rows = pair_eval.read_pairs(holdout, cfg.eval.max_examples)  # one kind in a file, checked
+    text = isinstance(rows[0]["prompt"], str)
+    wanted = not text and ("chosen" in rows[0] or any(r["label"] for r in rows))
+    return rows, read_holdout(holdout, cfg.eval.max_examples) if wanted else []
+
+
+def write_preference_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], note: str) -> str:
+    """report.md of a preference holdout without a task pass: the preference table and why the task is skipped."""
+    what = "pairs" if "pairs" in metrics["preference"] else "KTO rows"
+    table = pair_eval.table(metrics["preference"])
+    text = "\n".join([f"# Evaluation: {cfg.model.name} base vs + adapter on the {cfg.data.name} holdout", "", note, "",
+                      f"## Holdout {what} (objective {cfg.objective.name}): implicit reward against the base", "",
+                      table, ""]) + "\n"
+    atomic_write_text(path, text)
+    return table
+
+
+def plot_preference(metrics: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4), dpi=100)
+    pair_eval.plot_axes(ax, metrics["preference"])
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, out)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -483,6 +549,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from reprotune import manifest as mf
 
     started = time.time()
+    route_paths(cfg)  # a preference run: data/pairs/holdout.jsonl and outputs/pref/adapter in, outputs/pref/eval out
     task = OmegaConf.to_container(cfg.data.task, resolve=True)
     mx.check_task(task)
     device = resolve_device(cfg)
@@ -491,40 +558,49 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     batch_size = resolve_batch_size(cfg, device)
 
     holdout = Path(cfg.paths.prepared) / "holdout.jsonl"
-    examples = read_holdout(holdout, cfg.eval.max_examples)
+    rows, examples = preference_holdout(cfg, holdout) if is_preference(cfg) else ([], None)
+    if examples is None:
+        examples = read_holdout(holdout, cfg.eval.max_examples)
     check_references(examples, task, holdout)
     log.info("eval: %d holdout examples, device=%s dtype=%s batch_size=%d", len(examples), device, dtype,
              batch_size)
 
     runs: dict[str, SystemRun] = {}
-    if cfg.eval.baseline.url:  # first: a wrong URL or key fails in seconds, before the long local passes
+    if cfg.eval.baseline.url and examples:  # first: a wrong URL or key fails in seconds, before the local passes
         runs["baseline"] = run_baseline(cfg, examples)
     model, tokenizer, model_dir = load_model_and_tokenizer(cfg, device, dtype)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    runs["base"] = run_local(model, tokenizer, examples, "base", cfg, batch_size, adapter_on=False)
-    runs["tuned"] = run_local(model, tokenizer, examples, "tuned", cfg, batch_size, adapter_on=True)
+    if examples:
+        runs["base"] = run_local(model, tokenizer, examples, "base", cfg, batch_size, adapter_on=False)
+        runs["tuned"] = run_local(model, tokenizer, examples, "tuned", cfg, batch_size, adapter_on=True)
     runs = {s: runs[s] for s in ("base", "tuned", "baseline") if s in runs}
-    preference = preference_pass(cfg, model, tokenizer, holdout) if is_preference(cfg) else None
+    preference = preference_pass(cfg, model, tokenizer, rows) if rows else None
 
     names = mx.metric_names(task)
     primary = mx.primary_metric(task)
-    scores = {s: [mx.score(p, ex.reference, task) for p, ex in zip(run.predictions, examples, strict=True)]
-              for s, run in runs.items()}
-    metrics = build_metrics({s: summarise(run, scores[s], names) for s, run in runs.items()}, len(examples))
-    records = [{
-        "index": ex.index,
-        "input": next((m["content"] for m in reversed(ex.prompt) if m["role"] == "user"), ""),
-        "reference": ex.reference,
-        "predictions": {s: run.predictions[i] for s, run in runs.items()},
-        "scores": {s: {k: round(v, 6) for k, v in scores[s][i].items()} for s in runs},
-        "reference_loss": {s: round(run.nll[i] / max(1, run.n_tokens[i]), 6)
-                           for s, run in runs.items() if run.n_tokens},
-    } for i, ex in enumerate(examples)]
+    if examples:
+        scores = {s: [mx.score(p, ex.reference, task) for p, ex in zip(run.predictions, examples, strict=True)]
+                  for s, run in runs.items()}
+        metrics = build_metrics({s: summarise(run, scores[s], names) for s, run in runs.items()}, len(examples))
+        records = [{
+            "index": ex.index,
+            "input": next((m["content"] for m in reversed(ex.prompt) if m["role"] == "user"), ""),
+            "reference": ex.reference,
+            "predictions": {s: run.predictions[i] for s, run in runs.items()},
+            "scores": {s: {k: round(v, 6) for k, v in scores[s][i].items()} for s in runs},
+            "reference_loss": {s: round(run.nll[i] / max(1, run.n_tokens[i]), 6)
+                               for s, run in runs.items() if run.n_tokens},
+        } for i, ex in enumerate(examples)]
+    else:  # no task pass (text rows, or KTO rows without a reference): the preference metrics alone
+        metrics, records = {"examples": 0}, []
+    note = task_pass_note(rows, len(examples)) if rows else None
     if preference:  # the pairs' metrics next to the task's; each example's log-probabilities with it
         metrics["preference"] = preference[0]
-        for rec, logps in zip(records, preference[1], strict=True):
-            rec["logps"] = logps
+        for rec, ex in zip(records, examples, strict=True):
+            rec["logps"] = preference[1][ex.row if ex.row is not None else ex.index]
+        if not examples:
+            records = [{"index": r["index"], "logps": r} for r in preference[1]]
 
     out_dir = Path(cfg.paths.eval_dir)
     root = Path(cfg.paths.root)
@@ -539,6 +615,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                    "base_model": mf.path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
                    else {"path": model_dir, "sha256": None}},
         "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
+        **({"task_pass": note} if note else {}),
         "timing": {"wall_seconds": round(time.time() - started, 2),
                    **{s: {"seconds": round(run.seconds, 2),
                           "examples_per_second": round(len(examples) / run.seconds, 3) if run.seconds else None,
@@ -548,10 +625,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                    "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                    if device == "cuda" else None},
     })
-    table = write_outputs(out_dir, root, cfg, metrics, records, names, primary, record)
+    table = write_outputs(out_dir, root, cfg, metrics, records, names, primary, record, note)
     print(f"\n{table}\n\nreport: {out_dir / 'report.md'}   predictions: {out_dir / 'predictions.jsonl'}")
-    log.info("eval done in %.1fs (base %.1fs, tuned %.1fs)", record["timing"]["wall_seconds"],
-             runs["base"].seconds, runs["tuned"].seconds)
+    log.info("eval done in %.1fs (%s)", record["timing"]["wall_seconds"],
+             ", ".join(f"{s} {run.seconds:.1f}s" for s, run in runs.items()) or "preference metrics only")
     return {"metrics": metrics, "manifest": record}
 
 

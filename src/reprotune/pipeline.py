@@ -30,8 +30,12 @@ PACKAGE = "reprotune"
 SRC = Path(__file__).resolve().parent
 REPO = SRC.parents[1]
 DVC_YAML = REPO / "dvc.yaml"
-HYDRA_ARGS = "--config-dir . --config-name params hydra.run.dir=. hydra.output_subdir=null hydra/job_logging=stdout"
+HYDRA_ARGS = "--config-dir . --config-name {name} hydra.run.dir=. hydra.output_subdir=null hydra/job_logging=stdout"
 NOT_PARAMS = ("paths",)
+# The SFT stages run with params.yaml, the preference stages with params_pref.yaml (the same settings plus a
+# preference objective; reprotune.config.dump_chain_params). An SFT stage refuses a preference objective at start
+# (reprotune.preference.check_chain), so `objective` is no param of it: its only value there is sft.
+SFT_ONLY_NOT_PARAMS = ("objective",)
 
 
 # metrics files hold numbers only (what 'dvc metrics show/diff' print); reports and provenance are outs
@@ -45,6 +49,12 @@ class Stage:
     plots: list[str] = field(default_factory=list)
     command: str | None = None          # the module DVC runs when not `module` (train: the torchrun launcher)
     dvc: bool = True                    # a stage of dvc.yaml; False: run by its make target only
+    preference: bool = False            # a stage of the preference chain: params_pref.yaml, objective=dpo|orpo|kto
+    target: str | None = None           # the make target that runs it, when not its name (train_pref: make train)
+
+    @property
+    def params_file(self) -> str:
+        return "params_pref.yaml" if self.preference else "params.yaml"
 
 
 
@@ -79,6 +89,26 @@ STAGES: dict[str, Stage] = {
     "gguf": Stage("gguf", "Convert to GGUF, quantize, check parity with the HF model -> outputs/gguf",
                   ["outputs/merged", "data/prepared/holdout.jsonl", "data/prepared/train.jsonl", *LOCKS, *LLAMA_CPP],
                   ["outputs/gguf", "outputs/export/gguf_manifest.json"]),
+    # the preference chain (objective=dpo|orpo|kto, params_pref.yaml): its own pairs and outputs, after SFT's
+    "prepare_pairs": Stage("prepare", "Preference pairs: data.preference.path -> data/pairs (make prepare ARGS=objective=dpo)",
+                           ["${data.preference.path}", *LOCKS],
+                           ["data/pairs/train.jsonl", "data/pairs/holdout.jsonl", "data/pairs/rejected.jsonl",
+                            "data/pairs/manifest.json", "data/pairs/report.json", "data/pairs/pii_report.json"],
+                           ["data/pairs/metrics.json"], ["data/pairs/lengths.png"], preference=True, target="prepare"),
+    # objective.init_adapter defaults to the SFT adapter: trained further, its frozen copy the reference
+    "train_pref": Stage("train", "DPO/ORPO/KTO from the SFT adapter -> outputs/pref/adapter (make train ARGS=objective=dpo)",
+                        ["data/pairs/train.jsonl", "outputs/adapter", "conf/chat_templates", *LOCKS],
+                        ["outputs/pref/adapter", "outputs/pref/train/manifest.json", "outputs/pref/train/loss_curves.json",
+                         "outputs/pref/train/plan.json"],
+                        ["outputs/pref/train/metrics.json"], ["outputs/pref/train/loss.png"], command="distributed",
+                        preference=True, target="train"),
+    "eval_pref": Stage("evaluate", "Base vs SFT vs preference adapter on the holdout pairs -> outputs/pref/eval "
+                       "(make eval ARGS=objective=dpo)",
+                       ["data/pairs/holdout.jsonl", "outputs/pref/adapter", "outputs/adapter", *LOCKS],
+                       ["outputs/pref/eval/predictions.jsonl", "outputs/pref/eval/report.md",
+                        "outputs/pref/eval/manifest.json"],
+                       ["outputs/pref/eval/metrics.json"], ["outputs/pref/eval/comparison.png"], preference=True,
+                       target="eval"),
     # run by make alone: a what-if before renting a GPU, a server, an upload, a re-run that compares bytes
     "plan": Stage("plan", "Memory, time and cost of a train run before renting a GPU -> outputs/plan.json",
                   outs=["outputs/plan.json"], dvc=False),
@@ -249,9 +279,10 @@ def minimal_keys(keys: set[str]) -> list[str]:
     return sorted(k for k in keys if not any(k.startswith(other + ".") for other in keys if other != k))
 
 
-def stage_params(module: str, config: dict) -> list[str]:
+def stage_params(module: str, config: dict, preference: bool = False) -> list[str]:
     reads = reachable_reads(module)
-    kept = {p for k in reads if (p := _existing_prefix(k, config)) and p.split(".")[0] not in NOT_PARAMS}
+    skip = NOT_PARAMS if preference else (*NOT_PARAMS, *SFT_ONLY_NOT_PARAMS)
+    kept = {p for k in reads if (p := _existing_prefix(k, config)) and p.split(".")[0] not in skip}
     return minimal_keys(kept)
 
 
@@ -273,15 +304,17 @@ def persisted(paths: list[str]) -> list[dict[str, dict[str, bool]]]:
     return [{path: {"persist": True}} for path in paths]
 
 
-def build(config: dict) -> dict[str, Any]:
+def build(config: dict, pref_config: dict | None = None) -> dict[str, Any]:
     stages: dict[str, Any] = {}
     for name, st in DVC_STAGES.items():
         run = st.command or st.module
+        params = stage_params(run, pref_config or config, True) if st.preference else stage_params(run, config)
         entry: dict[str, Any] = {
             "desc": st.desc,
-            "cmd": f"python -m {PACKAGE}.{run} {HYDRA_ARGS}",
+            "cmd": f"python -m {PACKAGE}.{run} {HYDRA_ARGS.format(name=Path(st.params_file).stem)}",
             "deps": [*st.deps, *code_deps(run)],
-            "params": stage_params(run, config),
+            # DVC's default file needs no name; the preference stages' is named
+            "params": [{st.params_file: params}] if st.preference else params,
             "outs": persisted(st.outs),
         }
         if st.metrics:
@@ -292,16 +325,23 @@ def build(config: dict) -> dict[str, Any]:
     return {"stages": stages}
 
 
-def render(config: dict) -> str:
-    return HEADER + yaml.safe_dump(build(config), sort_keys=False, width=120)
+def render(config: dict, pref_config: dict | None = None) -> str:
+    return HEADER + yaml.safe_dump(build(config, pref_config), sort_keys=False, width=120)
 
 
-def default_config() -> dict:
+def default_config(overrides: list[str] | None = None) -> dict:
     from omegaconf import OmegaConf
 
     from reprotune.config import compose
 
-    return OmegaConf.to_container(compose([]), resolve=False)
+    return OmegaConf.to_container(compose(overrides or []), resolve=False)
+
+
+def default_configs() -> tuple[dict, dict]:
+    """The composed defaults of the SFT chain (params.yaml) and of the preference chain (params_pref.yaml)."""
+    from reprotune.config import DEFAULT_PREFERENCE
+
+    return default_config(), default_config([DEFAULT_PREFERENCE])
 
 
 def stage_lines() -> list[str]:
@@ -313,7 +353,7 @@ def main(argv: list[str]) -> int:
     if "--stages" in argv:
         print("stages (reprotune.pipeline.STAGES):\n" + "\n".join(stage_lines()))
         return 0
-    text = render(default_config())
+    text = render(*default_configs())
     if "--check" in argv:
         if DVC_YAML.read_text() != text:
             print("dvc.yaml is stale: run 'make dvc-yaml' and commit it", file=sys.stderr)

@@ -44,8 +44,8 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.formats import Record, read_dataset
 from reprotune.io import Spool, content_key, fresh_dir, key_fraction, replace_all
-from reprotune.preference import is_preference
-from reprotune.preference.pairs import prepare_pairs
+from reprotune.preference import is_preference, route_paths
+from reprotune.preference.pairs import prepare_pairs, source
 from reprotune.prepare_report import (
     AtLeast,
     distribution,
@@ -332,13 +332,13 @@ def example_line(messages: list[dict], tools: list | None = None) -> bytes:
 # --- the stage -----------------------------------------------------------------------------------------------
 
 
-def write_manifest(cfg: DictConfig, out: Path) -> None:
+def write_manifest(cfg: DictConfig, out: Path, raw: Path) -> None:
     """Inputs and outputs with their hashes, so 'make verify' can re-run and compare this stage."""
     from reprotune import manifest as mf
 
     root = Path(cfg.paths.root)
     record = mf.stage_record("prepare", cfg, out / "manifest.json", **{
-        "inputs": {"raw_data": mf.path_record(Path(cfg.data.path), root)},
+        "inputs": {"raw_data": mf.path_record(raw, root)},
         "outputs": {name: mf.path_record(out / file, root) for name, file in
                     (("train", "train.jsonl"), ("holdout", "holdout.jsonl"), ("report", "report.json"),
                      ("pii_report", "pii_report.json"), ("metrics", "metrics.json"),
@@ -455,12 +455,13 @@ def measure_and_split(cfg: DictConfig, examples: Spool, intake: Intake, work: Pa
 
 def prepare(cfg: DictConfig) -> dict:
     started = time.perf_counter()
+    route_paths(cfg)  # objective=dpo|orpo|kto: data.preference.path -> paths.pairs (data/pairs)
     out = Path(cfg.paths.prepared)
     work = fresh_dir(out, ".work")  # the spools and staged outputs; gone when prepare ends, however it ends
     try:
-        if is_preference(cfg):  # objective=dpo|orpo|kto: preference pairs (reprotune.preference.pairs)
+        if is_preference(cfg):  # preference pairs (reprotune.preference.pairs)
             result = prepare_pairs(cfg, work)
-            write_manifest(cfg, out)
+            write_manifest(cfg, out, source(cfg))
         else:
             result = prepare_in(cfg, work)
     finally:
@@ -525,7 +526,7 @@ def prepare_in(cfg: DictConfig, work: Path) -> dict:
         out / "metrics.json": (json.dumps(prepare_metrics(report, pii_report), indent=2, sort_keys=True) + "\n").encode(),
         out / "lengths.png": plot_tmp,
     })
-    write_manifest(cfg, out)
+    write_manifest(cfg, out, Path(cfg.data.path))
     print_table(report, pii_report)
     if overlong_note:
         print(overlong_note)
@@ -535,6 +536,8 @@ def prepare_in(cfg: DictConfig, work: Path) -> dict:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     # one line per problem, no traceback: the user fixes the data, not our code
+    with user_errors():
+        route_paths(cfg)
     with user_errors(summary=f"prepare: {{count}} problem(s); nothing written to {cfg.paths.prepared}"):
         prepare(cfg)
 

@@ -1,7 +1,8 @@
 """What every stage target runs: `make <stage> ARGS=...` == `python -m reprotune.runner <stage> ARGS...`.
 
     python -m reprotune.runner train model=tiny_random   # lock, compose params.yaml, dvc repro train
-    python -m reprotune.runner all ...                   # make repro: every stage
+    python -m reprotune.runner train objective=dpo       # params.yaml + params_pref.yaml, dvc repro train_pref
+    python -m reprotune.runner all ...                   # make repro: every stage of both chains
 
 In this order, so that nothing is lost or mis-recorded:
 1. **One run per checkout.** An exclusive flock on `.dvc/tmp/reprotune-run.lock`, taken before anything is
@@ -9,7 +10,9 @@ In this order, so that nothing is lost or mis-recorded:
    drops the lock when the holder exits in any way, SIGKILL included, so a lock file left behind is stale by
    construction (its text is only the last holder's description).
 2. **Settings checked, then params.yaml.** `config.compose_checked`: a credential, an unknown key or preset, a
-   value of the wrong type is one line, and params.yaml is left as it was.
+   value of the wrong type is one line, and params.yaml is left as it was. With a preference objective in the
+   ARGS (and for make repro) params_pref.yaml too, and params.yaml from the same ARGS without the objective ones
+   (`config.dump_chain_params`); the target's stage is then the preference one (make train -> train_pref).
 3. **dvc repro** in its own process group; SIGTERM/SIGINT/SIGHUP to this process (make forwards nothing, so
    this process also asks for SIGTERM when make itself dies) are passed on to the whole group: dvc, the
    stage and its workers stop at once. The stage outputs are `persist: true` in dvc.yaml, so DVC no longer
@@ -100,10 +103,13 @@ def stage_outputs(stage: str) -> list[str]:
 
 
 def kept_line(stage: str, how: str) -> str:
+    from reprotune.pipeline import STAGES
+
     present = [p for p in stage_outputs(stage) if Path(p).exists()]
     whose = "every stage" if stage == "all" else f"{stage} and the stages before it"
     kept = f" ({', '.join(present)})" if present else " (none existed yet)"
-    return f"make {stage}: {how}; the previous outputs of {whose} are kept as they were{kept}, as dvc.lock records them"
+    target = (STAGES[stage].target or stage) if stage in STAGES else stage  # train_pref: make train
+    return f"make {target}: {how}; the previous outputs of {whose} are kept as they were{kept}, as dvc.lock records them"
 
 
 def failure_lines(stage: str, how: str, handoff: Path = PROBLEMS) -> list[str]:
@@ -219,13 +225,48 @@ def dvc_repro(stage: str) -> tuple[int, int | None]:
     return code, forward.signum
 
 
-def run(stage: str, overrides: list[str]) -> int:
-    from reprotune.config import dump_params
+def dvc_stage(target: str, preference: bool) -> str:
+    """The DVC stage a make target runs: with a preference objective, the registry's preference stage of that
+    target (make train -> train_pref); one line for a target that has none."""
+    from reprotune.pipeline import DVC_STAGES
 
+    if target == "all":
+        return target
+    found = [name for name, st in DVC_STAGES.items() if (st.target or name) == target and st.preference == preference]
+    if not found:
+        raise ReprotuneError(f"make {target}: no stage of the preference chain (objective=dpo|orpo|kto): the "
+                             f"preference stages are prepare_pairs, train_pref and eval_pref (make prepare, train, "
+                             f"eval); make {target} works on the SFT adapter, without an objective in ARGS")
+    return found[0]
+
+
+def names_preference(overrides: list[str]) -> bool:
+    """The overrides pick a preference objective (objective=dpo, ...): composed to know (one line if they are bad)."""
+    from reprotune.config import compose_checked, is_objective_override
+    from reprotune.preference import is_preference
+
+    return any(is_objective_override(o) for o in overrides) and is_preference(compose_checked(overrides))
+
+
+def write_params(target: str, overrides: list[str], preference: bool) -> None:
+    """params.yaml (SFT) and, for a preference objective or make repro, params_pref.yaml (reprotune.config)."""
+    from reprotune.config import PARAMS_FILE, dump_chain_params, dump_params
+
+    if preference or target == "all":
+        dump_chain_params(overrides)
+        print("wrote params.yaml, params_pref.yaml", flush=True)
+    else:
+        dump_params(overrides, Path(PARAMS_FILE))
+        print("wrote params.yaml", flush=True)
+
+
+def run(stage: str, overrides: list[str]) -> int:
     command = " ".join(["make", stage, *([f"ARGS={' '.join(overrides)}"] if overrides else [])])
     with checkout_lock(command):
-        dump_params(overrides, Path("params.yaml"))
-        print("wrote params.yaml", flush=True)
+        preference = names_preference(overrides)
+        target = dvc_stage(stage, preference)  # make train ARGS="objective=dpo" -> train_pref; refused before
+        write_params(stage, overrides, preference)  # params.yaml changes
+        stage = target
         PROBLEMS.unlink(missing_ok=True)  # a file left by an earlier run is not this run's
         try:
             code, signum = dvc_repro(stage)

@@ -36,7 +36,7 @@ from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
-from reprotune.preference import is_preference
+from reprotune.preference import is_preference, route_paths
 from reprotune.preference.packed import packed_dpo_trainer_class, register_pair_attention
 from reprotune.preference.trainers import (
     completion_tokens,
@@ -460,6 +460,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from reprotune.manifest import write_json
 
     started = time.time()
+    route_paths(cfg)  # a preference run: data/pairs in, outputs/pref/{adapter,train,checkpoints} out
     # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
     # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -1,7 +1,7 @@
 """Preference data prepared: what `make prepare` does when the objective is dpo, orpo or kto.
 
-Reads   data.path in a preference format (reprotune.preference.formats), or, when data.path holds SFT
-        conversations and data.preference.rejected names a generator (the built-in task: `invoices`), pairs whose last answer becomes `chosen` and a plausible wrong
+Reads   data.preference.path (default: data.path) in a preference format (reprotune.preference.formats), or,
+        when it holds SFT conversations and data.preference.rejected names a generator (the built-in task: `invoices`), pairs whose last answer becomes `chosen` and a plausible wrong
         extraction (reprotune.invoices.wrong_extraction, seeded per example by data.preference.seed) `rejected`
         (SFT's last answer becomes `chosen`).
 Writes  the same files as the SFT prepare (reprotune.prepare writes the manifest): train.jsonl and holdout.jsonl
@@ -41,23 +41,28 @@ def settings(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if node is not None else {}
 
 
+def source(cfg: DictConfig) -> Path:
+    """What the preference run reads: data.preference.path, or data.path where the data config has none."""
+    return Path(str(settings(cfg).get("path") or cfg.data.path))
+
+
 # ------------------------------------------------------------------------------------------------ reading
 def derived_pairs(cfg: DictConfig, rejected_by: str) -> list[PairRecord]:
     """Pairs from SFT conversations: the last answer is chosen, the task's wrong extraction rejected."""
     if rejected_by != "invoices":
-        raise ReprotuneError(f"{cfg.data.path}:0: data.preference.rejected: unknown generator {rejected_by!r} "
+        raise ReprotuneError(f"{source(cfg)}:0: data.preference.rejected: unknown generator {rejected_by!r} "
                              "(invoices)")
     from reprotune.invoices import wrong_extraction
 
     seed = int(settings(cfg).get("seed", 0))
     out = []
-    for line, rec in iter_jsonl(Path(cfg.data.path), "run 'make data' first"):
+    for line, rec in iter_jsonl(source(cfg), "run 'make data' first"):
         conv = rec["messages"]
         rng = random.Random(f"{seed}:{content_key(conv)}")  # per example: appending data moves no old pair
         wrong = {"role": "assistant", "content": wrong_extraction(conv[-1]["content"], rng)}
         # split as the SFT prepare splits this conversation: an SFT adapter's holdout is the pairs' holdout
         out.append(PairRecord(row={"prompt": conv[:-1], "chosen": conv[-1:], "rejected": [wrong]},
-                              format=f"sft+{rejected_by}", file=str(cfg.data.path), line=line,
+                              format=f"sft+{rejected_by}", file=str(source(cfg)), line=line,
                               split_key=content_key(conv)))
     return out
 
@@ -75,14 +80,14 @@ def holds_conversations(path: Path) -> bool:
 
 
 def read_records(cfg: DictConfig) -> tuple[list[PairRecord], list[dict], list[str]]:
-    data, pref = cfg.data, settings(cfg)
-    if pref.get("rejected") and holds_conversations(Path(data.path)):
-        return derived_pairs(cfg, str(pref["rejected"])), [], [str(data.path)]
+    data, pref, path = cfg.data, settings(cfg), source(cfg)
+    if pref.get("rejected") and holds_conversations(path):
+        return derived_pairs(cfg, str(pref["rejected"])), [], [str(path)]
     fmt = str(data.format)
     if fmt not in ("auto", *FORMATS):
-        raise ReprotuneError(f"{data.path}:0: data.format: {fmt!r} is not a preference format (auto, "
+        raise ReprotuneError(f"{path}:0: data.format: {fmt!r} is not a preference format (auto, "
                              f"{', '.join(FORMATS)}); objective={cfg.objective.name} trains on preference data")
-    return read_preference_data(Path(data.path), fmt, dict(pref.get("keys") or {}), str(data.on_invalid))
+    return read_preference_data(path, fmt, dict(pref.get("keys") or {}), str(data.on_invalid))
 
 
 def is_tie(row: dict[str, Any]) -> bool:
@@ -198,11 +203,11 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
             unique.append(r)
     ties_policy = str(pref.get("ties", "drop"))
     if ties_policy not in ("drop", "keep"):
-        raise ReprotuneError(f"{data.path}:0: data.preference.ties: unknown policy {ties_policy!r} (drop or keep)")
+        raise ReprotuneError(f"{source(cfg)}:0: data.preference.ties: unknown policy {ties_policy!r} (drop or keep)")
     ties = [r for r in unique if is_tie(r.row)]
     kept = [r for r in unique if ties_policy == "keep" or not is_tie(r.row)]
     if not kept:
-        raise ReprotuneError(f"{data.path}:0: data: no preference records left ({len(records)} read, "
+        raise ReprotuneError(f"{source(cfg)}:0: data: no preference records left ({len(records)} read, "
                              f"{len(ties)} ties dropped)")
     rows, pii_report = scrub_pairs(cfg, kept)
     tokenizer, max_length = load_tokenizer(cfg), int(data.max_length)
@@ -214,7 +219,7 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
     train_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and not h]
     holdout_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and h]
     if not train_rows:
-        raise ReprotuneError(f"{data.path}:0: data: no training pairs left after dedup, ties, split and length")
+        raise ReprotuneError(f"{source(cfg)}:0: data: no training pairs left after dedup, ties, split and length")
     train_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and not h]
     holdout_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and h]
     train_measured = [m for m, ok, h in zip(measured, fits, holdout, strict=True) if ok and not h]

@@ -14,7 +14,7 @@ objective.init_adapter the adapter is loaded as the trainable "default" adapter 
 "ref", which is the reference (trl/trainer/dpo_trainer.py: `model.add_adapter("ref", ...)`, used through
 `use_adapter(model, "ref")`). Either way there is no second copy of the base in memory.
 
-Reads the prepared pairs (data/prepared/train.jsonl) and objective.init_adapter (when set); writes nothing.
+Reads the prepared pairs (data/pairs/train.jsonl) and objective.init_adapter (when set); writes nothing.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def init_adapter_dir(cfg: DictConfig) -> Path | None:
         raise ReprotuneError(f"{config}:0: objective.init_adapter: no adapter here (a directory written by "
                              "'make train', e.g. a copy of outputs/adapter)")
     if path.resolve() == Path(cfg.paths.adapter).resolve():
-        raise ReprotuneError(f"{path}:0: objective.init_adapter: is paths.adapter, which this run replaces (a rerun "
-                             f"would start from its own output); copy it first: cp -r {path} {path.parent}/sft_adapter")
+        raise ReprotuneError(f"{path}:0: objective.init_adapter: is this run's own output ({cfg.paths.adapter}: a "
+                             f"rerun would start from it); name the SFT adapter (outputs/adapter) or a copy of this one")
     from reprotune.models import base_identity
 
     recorded = json.loads(config.read_text()).get("base_model_name_or_path")

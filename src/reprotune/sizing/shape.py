@@ -194,7 +194,8 @@ def load_data_shape(cfg: DictConfig) -> DataShape | None:
     """The prepared training data's shape: conversations, or (a preference objective) packed pairs."""
     from reprotune.preference import is_preference
 
-    prepared = Path(cfg.paths.prepared)
+    # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
+    prepared = Path(cfg.paths.pairs if is_preference(cfg) and cfg.paths.get("pairs") else cfg.paths.prepared)
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
     if is_preference(cfg):
