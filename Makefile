@@ -76,7 +76,7 @@ pii-review: venv ## Print a sample of PII replacements in context, terminal only
 	$(PY) -m reprotune.pii_review $(ARGS)
 
 .PHONY: train
-train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}
+train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODES/NODE_RANK/MASTER_ADDR for hosts) -> outputs/adapter, outputs/train/{metrics.json,loss.png,manifest.json}; ARGS="objective=dpo": DPO from it -> outputs/pref/
 	$(call stage,train)
 
 .PHONY: test
@@ -101,7 +101,7 @@ clean: ## Remove outputs/ and prepared data (keeps .venv, the model cache and ra
 	rm -rf outputs data/prepared
 
 .PHONY: eval
-eval: data ## Base vs fine-tuned (vs eval.baseline.url) on the holdout -> outputs/eval/{report.md,metrics.json,comparison.png,predictions.jsonl}
+eval: data ## Base vs fine-tuned (vs eval.baseline.url) on the holdout -> outputs/eval/{report.md,metrics.json,comparison.png,predictions.jsonl}; ARGS="objective=dpo": outputs/pref/eval
 	$(call stage,eval)
 
 # ---------------------------------------------------------------------------------------- reproducibility
