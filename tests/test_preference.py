@@ -136,7 +136,9 @@ def test_sft_format_name_with_a_preference_objective_is_one_line(tmp_path: Path)
 
 
 # ----------------------------------------------------------------------------------------------------- train
-PAIRS_TRAIN = ["model=tiny_random", "train.max_steps=2", "train.save_steps=100", "train.logging_steps=1",
+# objective.max_steps: a preference objective's own step count wins over train.max_steps (conf/objective/dpo.yaml)
+PAIRS_TRAIN = ["model=tiny_random", "train.max_steps=2", "++objective.max_steps=2", "train.save_steps=100",
+               "train.logging_steps=1",
                "train.per_device_train_batch_size=2", "train.learning_rate=1e-2"]
 
 
@@ -294,7 +296,8 @@ def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -
 
     from .test_resume import stage_env, wait_for_sealed
 
-    run = [*PAIRS_TRAIN, "objective=dpo", "objective.init_adapter=null", "train.max_steps=4", "train.save_steps=2"]
+    run = [*PAIRS_TRAIN, "objective=dpo", "objective.init_adapter=null", "train.max_steps=4", "++objective.max_steps=4",
+           "train.save_steps=2"]
     cmd = lambda root: [sys.executable, "-m", "reprotune.train", *run, f"paths.root={root}"]  # noqa: E731
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for root in (straight, killed):
