@@ -343,7 +343,12 @@ def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
     assert "Holdout pairs (objective dpo)" in (out / "report.md").read_text()
     first = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
     assert set(first["logps"]) == {"index", "base", "sft", "tuned"}
-    assert result["metrics"]["tuned"]["field_accuracy"] >= 0  # the task's metrics next to the pairs'
+    task = result["metrics"]  # the task's metrics next to the pairs': base, the SFT adapter it started from, DPO's
+    assert {"base", "sft", "tuned"} <= task.keys() and task["tuned"]["field_accuracy"] >= 0
+    assert task["delta_tuned_vs_sft"]["loss"] == pytest.approx(task["tuned"]["loss"] - task["sft"]["loss"], abs=1e-5)
+    assert len({task[s]["loss"] for s in ("base", "sft", "tuned")}) == 3  # three different models really scored
+    assert set(first["predictions"]) == {"base", "sft", "tuned"}
+    assert "| SFT adapter (start) |" in (out / "report.md").read_text().split("## Holdout pairs")[0]
 
 
 def test_make_plan_plans_dpo_and_refuses_padded_pairs_in_one_line(tmp_path: Path) -> None:
@@ -381,13 +386,13 @@ def test_text_pairs_are_tokenized_as_trl_does_and_evaluated(tiny_peft: tuple, tm
     full, start = pair_eval.tokenized(tokenizer, rows[0]["prompt"], [rows[0]["chosen"], rows[0]["rejected"]])
     assert full[0][:start] == tokenizer(text="The sky is")["input_ids"]  # no chat template on text
     assert tokenizer.decode(full[0][start:]) == " blue." + tokenizer.eos_token  # TRL appends the EOS
-    metrics, records = pair_eval.preference_eval(model, tokenizer, rows, 0.1, None)
+    metrics, records = pair_eval.preference_eval(model, tokenizer, rows, 0.1)
     assert metrics["pairs"] == 2 and set(metrics) == {"pairs", "beta", "base", "tuned"}
     assert all(r["base"]["chosen"] < 0 and r["tuned"]["chosen"] != r["base"]["chosen"] for r in records)
     margins = [0.1 * ((r["tuned"]["chosen"] - r["base"]["chosen"]) - (r["tuned"]["rejected"] - r["base"]["rejected"]))
                for r in records]
     assert metrics["tuned"]["reward_margin"] == pytest.approx(sum(margins) / 2, abs=1e-5)
-    flipped, _ = pair_eval.preference_eval(model, tokenizer, swapped(rows), 0.1, None)
+    flipped, _ = pair_eval.preference_eval(model, tokenizer, swapped(rows), 0.1)
     assert flipped["tuned"]["reward_margin"] == pytest.approx(-metrics["tuned"]["reward_margin"], abs=1e-5)
     assert flipped["base"]["logp_accuracy"] == 1 - metrics["base"]["logp_accuracy"]
     assert "| logp_chosen |" in pair_eval.table(metrics)
@@ -404,7 +409,7 @@ def test_kto_rows_are_evaluated_by_label(tiny_peft: tuple, tmp_path: Path) -> No
     for i, kind in enumerate((rows, text)):
         (tmp_path / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kind))
         assert pair_eval.read_pairs(tmp_path / f"{i}.jsonl") == kind
-    metrics, per_row = pair_eval.preference_eval(model, tokenizer, rows, 0.1, None)
+    metrics, per_row = pair_eval.preference_eval(model, tokenizer, rows, 0.1)
     assert metrics["kto_rows"] == 4 and metrics["base"]["desirable"] == metrics["base"]["undesirable"] == 2
     good = [r["base"]["completion"] for r in per_row if r["label"]]
     assert metrics["base"]["logp_desirable"] == pytest.approx(sum(good) / 2, abs=1e-5)
@@ -412,10 +417,10 @@ def test_kto_rows_are_evaluated_by_label(tiny_peft: tuple, tmp_path: Path) -> No
     signs = [(x > 0) == r["label"] for x, r in zip(rewards, per_row, strict=True)]
     assert metrics["tuned"]["reward_accuracy"] == sum(signs) / 4
     assert "reward_accuracy" not in metrics["base"] and all(x != 0 for x in rewards)
-    flipped, _ = pair_eval.preference_eval(model, tokenizer, [{**r, "label": not r["label"]} for r in rows], 0.1, None)
+    flipped, _ = pair_eval.preference_eval(model, tokenizer, [{**r, "label": not r["label"]} for r in rows], 0.1)
     assert flipped["tuned"]["reward_accuracy"] == pytest.approx(1 - metrics["tuned"]["reward_accuracy"])
     assert flipped["tuned"]["reward_margin"] == pytest.approx(-metrics["tuned"]["reward_margin"], abs=1e-5)
-    text_metrics, _ = pair_eval.preference_eval(model, tokenizer, text, 0.1, None)
+    text_metrics, _ = pair_eval.preference_eval(model, tokenizer, text, 0.1)
     assert text_metrics["tuned"]["logp_desirable"] != text_metrics["base"]["logp_desirable"]
     assert "| reward_desirable |" in pair_eval.table(metrics)
 

@@ -43,7 +43,9 @@ from reprotune.runtime import attention, resolve_device, resolve_dtype, set_repr
 
 log = logging.getLogger("reprotune.evaluate")
 
-SYSTEM_LABELS = {"base": "base", "tuned": "tuned", "baseline": "prompt baseline"}
+SYSTEM_LABELS = {"base": "base", "sft": "SFT adapter (start)", "tuned": "tuned", "baseline": "prompt baseline"}
+# the order of the systems in metrics.json, report.md and comparison.png (sft: a preference run's start adapter)
+SYSTEMS = ("base", "sft", "tuned", "baseline")
 LOWER_IS_BETTER = {"loss", "perplexity"}
 # Padded generation keeps a (batch x length) KV cache and logits; these are safe starting points for a
 # laptop CPU and for one GPU. Override with eval.batch_size=N.
@@ -249,10 +251,13 @@ def reference_loss(model, tokenizer, examples: Sequence[Example], prompt_ids: li
 
 
 def run_local(model, tokenizer, examples: Sequence[Example], name: str, cfg: DictConfig,
-              batch_size: int, adapter_on: bool) -> SystemRun:
+              batch_size: int, adapter: str | None) -> SystemRun:
+    """One system's task pass: adapter None = the base (adapter disabled), else the named PEFT adapter."""
     started = time.time()
     prompt_ids = encode_prompts(tokenizer, examples)
-    switch = nullcontext() if adapter_on else model.disable_adapter()
+    if adapter is not None:
+        model.set_adapter(adapter)
+    switch = nullcontext() if adapter is not None else model.disable_adapter()
     with switch:
         texts, counts = generate_all(model, tokenizer, prompt_ids, batch_size, cfg.eval.max_new_tokens,
                                      desc=f"{name}: generate")
@@ -323,7 +328,7 @@ def summarise(run: SystemRun, scores: list[dict[str, float]], names: Sequence[st
 def build_metrics(summaries: dict[str, dict[str, float]], n_examples: int) -> dict[str, Any]:
     """metrics.json: per system, and the deltas that answer 'was it worth it' (DVC flattens the nesting)."""
     out: dict[str, Any] = {"examples": n_examples, **summaries}
-    for other in ("base", "baseline"):
+    for other in ("base", "sft", "baseline"):
         if other in summaries:
             out[f"delta_tuned_vs_{other}"] = {k: round(summaries["tuned"][k] - v, 6)
                                              for k, v in summaries[other].items() if k in summaries["tuned"]}
@@ -344,19 +349,16 @@ def _fmt_delta(value: float | None, name: str) -> str:
 
 
 def summary_table(metrics: dict[str, Any], names: Sequence[str]) -> str:
-    systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
-    header = ["metric", *(SYSTEM_LABELS[s] for s in systems), "Δ tuned − base"]
-    if "baseline" in systems:
-        header.append("Δ tuned − prompt baseline")
+    systems = [s for s in SYSTEMS if s in metrics]
+    others = [s for s in ("base", "sft", "baseline") if s in systems]
+    header = ["metric", *(SYSTEM_LABELS[s] for s in systems), *(f"Δ tuned − {SYSTEM_LABELS[s]}" for s in others)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in [*names, "loss", "perplexity"]:
         if not any(name in metrics[s] for s in systems):
             continue
         label = f"{name} (lower is better)" if name in LOWER_IS_BETTER else name
         cells = [label, *(_fmt(metrics[s].get(name), name) for s in systems),
-                 _fmt_delta(metrics["delta_tuned_vs_base"].get(name), name)]
-        if "baseline" in systems:
-            cells.append(_fmt_delta(metrics["delta_tuned_vs_baseline"].get(name), name))
+                 *(_fmt_delta(metrics[f"delta_tuned_vs_{s}"].get(name), name) for s in others)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -376,7 +378,7 @@ def differing_examples(records: list[dict], primary: str, limit: int) -> list[di
 
 def write_report(path: Path, cfg: DictConfig, metrics: dict[str, Any], records: list[dict],
                  names: Sequence[str], primary: str, note: str | None = None) -> str:
-    systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
+    systems = [s for s in SYSTEMS if s in metrics]
     table = summary_table(metrics, names)
     n_differ = sum(r["predictions"]["base"] != r["predictions"]["tuned"] for r in records)
     limit = int(cfg.eval.report_examples)
@@ -420,7 +422,7 @@ def plot_comparison(metrics: dict[str, Any], names: Sequence[str], out: Path) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = [s for s in ("base", "tuned", "baseline") if s in metrics]
+    systems = [s for s in SYSTEMS if s in metrics]
     rates = [n for n in names if not n.startswith("field/")]
     losses = [n for n in ("loss", "perplexity") if n in metrics["base"]]
     pairs = [2] if "preference" in metrics else []  # a preference run: reward and log-prob accuracy of pairs
@@ -485,11 +487,21 @@ def write_outputs(out_dir: Path, root: Path, cfg: DictConfig, metrics: dict[str,
     return table
 
 
-def preference_pass(cfg: DictConfig, model, tokenizer, rows: list[dict]) -> tuple[dict[str, Any], list[dict]]:
+def load_start_adapter(cfg: DictConfig, model) -> bool:
+    """A preference run that started from an SFT adapter (objective.init_adapter): that adapter next to the trained
+    one, as PEFT adapter "sft", so the task pass and the pairs' pass score it too. False when there is none."""
+    init = cfg.objective.get("init_adapter") if is_preference(cfg) else None
+    if not init or not (Path(str(init)) / "adapter_config.json").is_file():
+        return False
+    model.load_adapter(str(init), adapter_name="sft")
+    model.set_adapter("default")
+    return True
+
+
+def preference_pass(cfg: DictConfig, model, tokenizer, rows: list[dict], with_sft: bool
+                    ) -> tuple[dict[str, Any], list[dict]]:
     """A preference run's holdout rows through base, the SFT adapter it started from and the trained adapter."""
-    init = cfg.objective.get("init_adapter")
-    init_dir = Path(str(init)) if init and (Path(str(init)) / "adapter_config.json").is_file() else None
-    return pair_eval.preference_eval(model, tokenizer, rows, float(cfg.objective.get("beta") or 0.1), init_dir)
+    return pair_eval.preference_eval(model, tokenizer, rows, float(cfg.objective.get("beta") or 0.1), with_sft)
 
 
 def task_pass_note(rows: list[dict], examples: int) -> str:
@@ -569,13 +581,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.eval.baseline.url and examples:  # first: a wrong URL or key fails in seconds, before the local passes
         runs["baseline"] = run_baseline(cfg, examples)
     model, tokenizer, model_dir = load_model_and_tokenizer(cfg, device, dtype)
+    with_sft = load_start_adapter(cfg, model)
+    model.eval()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if examples:
-        runs["base"] = run_local(model, tokenizer, examples, "base", cfg, batch_size, adapter_on=False)
-        runs["tuned"] = run_local(model, tokenizer, examples, "tuned", cfg, batch_size, adapter_on=True)
-    runs = {s: runs[s] for s in ("base", "tuned", "baseline") if s in runs}
-    preference = preference_pass(cfg, model, tokenizer, rows) if rows else None
+        runs["base"] = run_local(model, tokenizer, examples, "base", cfg, batch_size, adapter=None)
+        if with_sft:  # did the preference step beat the adapter it started from, on the task itself?
+            runs["sft"] = run_local(model, tokenizer, examples, "sft", cfg, batch_size, adapter="sft")
+        runs["tuned"] = run_local(model, tokenizer, examples, "tuned", cfg, batch_size, adapter="default")
+    runs = {s: runs[s] for s in SYSTEMS if s in runs}
+    preference = preference_pass(cfg, model, tokenizer, rows, with_sft) if rows else None
 
     names = mx.metric_names(task)
     primary = mx.primary_metric(task)

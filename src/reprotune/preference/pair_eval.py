@@ -159,13 +159,12 @@ def kto_summary(logps: list[tuple[float, ...]], base: list[tuple[float, ...]] | 
     return {"desirable": len(good), "undesirable": len(bad), **{k: round(v, 6) for k, v in out.items()}}
 
 
-def preference_eval(model: Any, tokenizer: Any, rows: list[dict], beta: float, init_adapter: Path | None
+def preference_eval(model: Any, tokenizer: Any, rows: list[dict], beta: float, with_sft: bool = False
                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(metrics per system, per-row log-probabilities) for base, the starting SFT adapter and the trained one."""
+    """(metrics per system, per-row log-probabilities) for base, the starting SFT adapter (with_sft: loaded as PEFT
+    adapter "sft" next to the trained one, "default") and the trained one."""
     model.eval()
-    if init_adapter is not None:
-        model.load_adapter(str(init_adapter), adapter_name="sft")
-    systems = [s for s in SYSTEMS if s != "sft" or init_adapter is not None]
+    systems = [s for s in SYSTEMS if s != "sft" or with_sft]
     logps = {s: system_logps(model, tokenizer, rows, s) for s in systems}
     model.set_adapter("default")
     paired = "chosen" in rows[0]
