@@ -173,15 +173,15 @@ llama-cpp: venv ## Build (once, cached in .cache/llama-cpp) and install the hash
 	@bash scripts/build_llama_cpp.sh >/dev/null
 
 .PHONY: merge
-merge: data ## Merge the adapter into the full-precision base -> outputs/merged/ (+ parity.json)
+merge: data ## Merge the adapter into the full-precision base -> outputs/merged/ (+ parity.json); ARGS="objective=dpo": the preference adapter -> outputs/pref/merged/
 	$(call stage,merge)
 
 .PHONY: gguf
-gguf: data llama-cpp ## Convert outputs/merged to GGUF, quantize (export.quant), check parity, write the Modelfile
+gguf: data llama-cpp ## Convert outputs/merged to GGUF, quantize (export.quant), check parity, write the Modelfile; ARGS="objective=dpo": outputs/pref/merged -> outputs/pref/gguf/
 	$(call stage,gguf)
 
 .PHONY: serve
-serve: gguf ## OpenAI-compatible server on the GGUF (llama.cpp), on 127.0.0.1:8080 by default
+serve: gguf ## OpenAI-compatible server on the GGUF (llama.cpp), on 127.0.0.1:8080 by default; ARGS="objective=dpo": outputs/pref/gguf
 	$(PY) -m reprotune.serve $(ARGS)
 
 .PHONY: serve-info

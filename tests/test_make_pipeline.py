@@ -30,7 +30,8 @@ TINY = ["model=tiny_random", "train.max_steps=3", "train.save_steps=3", "train.l
         "eval.max_new_tokens=16", "export.merge.prompts=2", "export.parity.examples=2",
         "export.parity.max_new_tokens=16"]
 ALL = ["prepare", "train", "eval", "merge", "gguf"]
-PREF = ["prepare_pairs", "train_pref", "eval_pref"]  # make repro's second chain (params_pref.yaml, objective=dpo)
+# make repro's second chain (params_pref.yaml, objective=dpo)
+PREF = ["prepare_pairs", "train_pref", "eval_pref", "merge_pref", "gguf_pref"]
 TIMES: dict[str, float] = {}
 
 
@@ -111,15 +112,15 @@ MATRIX = [
     ("nothing", (), None, []),
     ("eval.max_new_tokens=8", ("eval.max_new_tokens=8",), None, ["eval", "eval_pref"]),
     ("export.parity.max_new_tokens=8", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"), None,
-     ["gguf"]),
+     ["gguf", "gguf_pref"]),
     ("edit src/reprotune/modelfile.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
-     "src/reprotune/modelfile.py", ["gguf"]),
+     "src/reprotune/modelfile.py", ["gguf", "gguf_pref"]),
     ("edit src/reprotune/metrics.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
      "src/reprotune/metrics.py", ["eval", "eval_pref"]),
     ("export.merge.prompts=3", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3"),
-     None, ["merge", "gguf"]),
+     None, ["merge", "gguf", "merge_pref", "gguf_pref"]),
     ("train.max_steps=4", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3",
-                           "train.max_steps=4"), None, ["train", "eval", "merge", "gguf", "train_pref", "eval_pref"]),
+                           "train.max_steps=4"), None, ["train", "eval", "merge", "gguf", *PREF[1:]]),
 ]
 
 

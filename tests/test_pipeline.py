@@ -67,8 +67,12 @@ def test_params_are_exactly_what_each_stage_reads() -> None:
              for name, st in stages.items()}
     params = {name: st["params"][0][files[name]] if files[name] != "params.yaml" else st["params"]
               for name, st in stages.items()}
-    assert {n for n, f in files.items() if f == "params_pref.yaml"} == {"prepare_pairs", "train_pref", "eval_pref"}
+    assert {n for n, f in files.items() if f == "params_pref.yaml"} == {"prepare_pairs", "train_pref", "eval_pref",
+                                                                        "merge_pref", "gguf_pref"}
     assert "export.merge.prompts" in params["merge"] and not any(p.startswith("export.merge") for p in params["gguf"])
+    # the preference chain's export reads what the SFT chain's does, from params_pref.yaml
+    assert {p for p in params["merge_pref"] if p != "objective"} == set(params["merge"])
+    assert {p for p in params["gguf_pref"] if p != "objective"} == set(params["gguf"])
     assert "train" in params["train"] and not any(p.startswith("train") for p in params["eval"])
     assert "export.parity.examples" in params["gguf"] and "eval.max_new_tokens" in params["eval"]
     assert not any(p.startswith("paths") for ps in params.values() for p in ps)
@@ -86,19 +90,25 @@ def test_params_are_exactly_what_each_stage_reads() -> None:
 
 
 def test_the_preference_chain_has_its_own_outputs_after_sfts() -> None:
-    """prepare_pairs -> train_pref -> eval_pref: data/pairs and outputs/pref, never an SFT output; train_pref starts
-    from the SFT adapter (a dep, so dvc repro builds SFT first) and eval_pref compares against it."""
+    """prepare_pairs -> train_pref -> eval_pref, merge_pref -> gguf_pref: data/pairs and outputs/pref, never an SFT
+    output; train_pref starts from the SFT adapter (a dep, so dvc repro builds SFT first), eval_pref compares
+    against it, and the export stages read the preference adapter and pairs only."""
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     outs = {name: {next(iter(o)) for kind in ("outs", "metrics", "plots") for o in st.get(kind, [])}
             for name, st in stages.items()}
     sft_outs = set().union(*(outs[n] for n in ("prepare", "train", "eval", "merge", "gguf")))
-    for name in ("prepare_pairs", "train_pref", "eval_pref"):
+    for name in ("prepare_pairs", "train_pref", "eval_pref", "merge_pref", "gguf_pref"):
         assert outs[name] and not outs[name] & sft_outs, name
         assert all(o.startswith(("data/pairs/", "outputs/pref/")) for o in outs[name]), name
         assert "--config-name params_pref " in stages[name]["cmd"]
     assert {"data/pairs/train.jsonl", "outputs/adapter"} <= set(stages["train_pref"]["deps"])
     assert {"data/pairs/holdout.jsonl", "outputs/pref/adapter", "outputs/adapter"} <= set(stages["eval_pref"]["deps"])
     assert "${data.preference.path}" in stages["prepare_pairs"]["deps"]
+    data_deps = lambda name: [d for d in stages[name]["deps"] if d.startswith(("data/", "outputs/"))]  # noqa: E731
+    assert data_deps("merge_pref") == ["outputs/pref/adapter", "data/pairs/holdout.jsonl"]
+    assert data_deps("gguf_pref") == ["outputs/pref/merged", "data/pairs/holdout.jsonl", "data/pairs/train.jsonl"]
+    assert [d for d in stages["gguf"]["deps"] if not d.startswith(("data/", "outputs/"))] == \
+        [d for d in stages["gguf_pref"]["deps"] if not d.startswith(("data/", "outputs/"))]  # code, locks, llama.cpp
     assert all("--config-name params " in stages[n]["cmd"] for n in ("prepare", "train", "eval", "merge", "gguf"))
 
 

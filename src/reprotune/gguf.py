@@ -2,10 +2,14 @@
 the Hugging Face model.
 
     python -m reprotune.gguf [hydra overrides]      # == make gguf ARGS="export.quant=[Q4_K_M,Q8_0]"
+    python -m reprotune.gguf objective=dpo          # == make gguf ARGS="objective=dpo" (DVC stage gguf_pref)
 
 Reads  outputs/merged/ (make merge), data/prepared/holdout.jsonl and train.jsonl (its system prompt).
 Writes outputs/gguf/model-F16.gguf (convert_hf_to_gguf.py, export.outtype), model-<QUANT>.gguf for every
        export.quant, Modelfile (Ollama), parity.json; outputs/export/gguf_manifest.json (timings).
+With a preference objective (reprotune.preference.route_paths): outputs/pref/merged and data/pairs/{holdout,train}
+.jsonl (the holdout rows' prompts; the train pairs' shared system prompt) in, outputs/pref/gguf and
+outputs/pref/export/gguf_manifest.json out.
 
 The failures users of other tools meet only after shipping are checked here, and each one stops the stage:
   - an unknown pre-tokenizer (the converter refuses; we say which hash and what to do);
@@ -39,6 +43,8 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import fresh_dir, read_conversations, swap_dir
 from reprotune.models import load_float32, load_tokenizer
+from reprotune.preference import is_preference, route_paths
+from reprotune.preference.pair_eval import export_conversations
 
 log = logging.getLogger("reprotune.gguf")
 
@@ -165,6 +171,20 @@ def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- parity
+def holdout_conversations(cfg: DictConfig) -> list[list[dict]]:
+    """The holdout conversations whose prompts the parity checks render; a preference holdout's rows as prompt +
+    chosen answer. Text (standard) pairs have no chat prompt for the GGUF's template to be checked on: one line."""
+    path = Path(cfg.paths.prepared) / "holdout.jsonl"
+    if not is_preference(cfg):
+        return read_conversations(path, "run 'make prepare' first")
+    conversations = export_conversations(path)
+    if isinstance(conversations[0], str):
+        raise ReprotuneError(f"{path}:1: prompt: text (standard) preference rows; the GGUF parity checks render "
+                             "chat prompts with the GGUF's chat template, and a text prompt has no chat turns "
+                             "(make merge ARGS=\"objective=...\" merges it; the GGUF export needs message rows)")
+    return conversations
+
+
 def prompts_of(conversations: list[list[dict]]) -> list[list[dict]]:
     """Each holdout conversation up to (not including) its last assistant answer."""
     out = []
@@ -285,9 +305,12 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     from reprotune import manifest as mf
 
     started = time.time()
+    route_paths(cfg)  # a preference run: outputs/pref/merged and data/pairs in, outputs/pref/{gguf,export} out
     merged = Path(cfg.paths.merged)
     if not (merged / "config.json").is_file():
-        raise ReprotuneError(f"gguf: {merged}/config.json not found; run 'make merge' first")
+        how = f"make merge ARGS=\"objective={cfg.objective.name}\"" if is_preference(cfg) else "make merge"
+        raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
+    prompts = prompts_of(holdout_conversations(cfg))  # before the llama.cpp build: a bad holdout fails at once
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
     n_threads = threads(cfg)
@@ -295,7 +318,6 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     if outtype not in OUTTYPE_NAME:
         raise ReprotuneError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
     tokenizer = load_tokenizer(merged)
-    prompts = prompts_of(read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first"))
 
     final = Path(cfg.paths.gguf)
     tmp = fresh_dir(final)

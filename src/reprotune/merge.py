@@ -1,11 +1,16 @@
 """Merge stage: fold the LoRA adapter into its base model and prove the merge changed nothing.
 
     python -m reprotune.merge [hydra overrides]      # == make merge ARGS="..."
+    python -m reprotune.merge objective=dpo          # == make merge ARGS="objective=dpo" (DVC stage merge_pref)
 
 Reads  the base model (reprotune.models.resolve_model_dir), outputs/adapter/ (PEFT adapter, tokenizer and
        the inference chat template) and data/prepared/holdout.jsonl.
 Writes outputs/merged/ (safetensors in export.dtype, config, generation config, tokenizer, chat template,
        parity.json) and outputs/export/merge_manifest.json (provenance and timings).
+With a preference objective (reprotune.preference.route_paths): outputs/pref/adapter and data/pairs/holdout.jsonl
+(each row's prompt + chosen answer) in, outputs/pref/merged and outputs/pref/export/merge_manifest.json out. The
+preference adapter is one whole adapter (started from the SFT adapter, its weights trained further; TRL's frozen
+'ref' copy is never saved), so base + it is the model the preference run trained and eval_pref scored.
 
 A QLoRA adapter is merged into the full-precision base, never into 4-bit weights: the 4-bit base only
 existed to save memory during training, and dequantised NF4 weights merged with a LoRA delta would bake
@@ -33,23 +38,29 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import read_conversations, swap_dir, tmp_path
 from reprotune.models import load_float32, load_tokenizer, resolve_model_dir
+from reprotune.preference import is_preference, route_paths
+from reprotune.preference.pair_eval import export_conversations
 
 log = logging.getLogger("reprotune.merge")
 
 
 # ------------------------------------------------------------------------------------------------ inputs
-def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]]:
-    """Holdout conversations (lists of messages), in file order."""
-    return read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first")
+def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]] | list[str]:
+    """Holdout conversations (lists of messages), in file order; a preference holdout's rows as prompt + chosen
+    answer (text rows: their text)."""
+    path = Path(cfg.paths.prepared) / "holdout.jsonl"
+    if is_preference(cfg):
+        return export_conversations(path)
+    return read_conversations(path, "run 'make prepare' first")
 
 
-def check_adapter(adapter_dir: Path, model_cfg: Any) -> None:
+def check_adapter(adapter_dir: Path, model_cfg: Any, make_train: str = "make train") -> None:
     """The adapter is complete and was trained on the configured base (its recorded identity, not assumed)."""
     from reprotune.models import base_identity
 
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
         if not (adapter_dir / name).is_file():
-            raise ReprotuneError(f"{adapter_dir / name}: file: not found; run 'make train' first")
+            raise ReprotuneError(f"{adapter_dir / name}: file: not found; run '{make_train}' first")
     recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     expected = base_identity(model_cfg)[0]
     if recorded != expected:
@@ -65,9 +76,11 @@ def save_dtype(cfg: DictConfig, model_dir: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ models
-def parity_batches(tokenizer, conversations: list[list[dict]]) -> list[Any]:
-    """Each whole conversation (prompt and answer) rendered with the inference chat template."""
-    return [tokenizer.apply_chat_template(c, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
+def parity_batches(tokenizer, conversations: list[list[dict]] | list[str]) -> list[Any]:
+    """Each whole conversation (prompt and answer) rendered with the inference chat template; a text row (a
+    standard preference pair) tokenized as it is."""
+    return [tokenizer(c, return_tensors="pt")["input_ids"] if isinstance(c, str) else
+            tokenizer.apply_chat_template(c, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
             for c in conversations]
 
 
@@ -118,8 +131,10 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     from reprotune import manifest as mf
 
     started = time.time()
+    route_paths(cfg)  # a preference run: outputs/pref/adapter and data/pairs in, outputs/pref/{merged,export} out
     adapter_dir = Path(cfg.paths.adapter)
-    check_adapter(adapter_dir, cfg.model)
+    check_adapter(adapter_dir, cfg.model, f"make train ARGS=\"objective={cfg.objective.name}\""
+                  if is_preference(cfg) else "make train")
     conversations = read_holdout(cfg)[: int(cfg.export.merge.prompts)]
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     dtype = save_dtype(cfg, model_dir)

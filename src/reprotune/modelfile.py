@@ -165,15 +165,18 @@ def stop_tokens(tokenizer, pieces: ChatPieces, eos_ids: list[int]) -> list[str]:
 
 
 def training_system_prompt(train_file: Path) -> str | None:
-    """The system prompt every training conversation starts with, if they all share one."""
+    """The system prompt every training conversation starts with, if they all share one (preference rows: the
+    prompt's messages; a text prompt has none)."""
     if not train_file.is_file():
         return None
     prompts = set()
     with open(train_file, encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                messages = json.loads(line)["messages"]
-                prompts.add(messages[0]["content"] if messages[0]["role"] == "system" else None)
+                row = json.loads(line)
+                messages = row["messages"] if "messages" in row else row.get("prompt")
+                first = messages[0] if isinstance(messages, list) and messages else {}
+                prompts.add(first.get("content") if first.get("role") == "system" else None)
     return prompts.pop() if len(prompts) == 1 else None
 
 

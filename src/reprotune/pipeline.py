@@ -109,6 +109,18 @@ STAGES: dict[str, Stage] = {
                         "outputs/pref/eval/manifest.json"],
                        ["outputs/pref/eval/metrics.json"], ["outputs/pref/eval/comparison.png"], preference=True,
                        target="eval"),
+    # the preference adapter's export: one whole adapter (the SFT weights trained further), merged into the base
+    "merge_pref": Stage("merge", "Merge the preference adapter into the base -> outputs/pref/merged "
+                        "(make merge ARGS=objective=dpo)",
+                        ["outputs/pref/adapter", "data/pairs/holdout.jsonl", *LOCKS],
+                        ["outputs/pref/merged", "outputs/pref/export/merge_manifest.json"], preference=True,
+                        target="merge"),
+    "gguf_pref": Stage("gguf", "GGUF of the preference model, parity checked -> outputs/pref/gguf "
+                       "(make gguf ARGS=objective=dpo)",
+                       ["outputs/pref/merged", "data/pairs/holdout.jsonl", "data/pairs/train.jsonl", *LOCKS,
+                        *LLAMA_CPP],
+                       ["outputs/pref/gguf", "outputs/pref/export/gguf_manifest.json"], preference=True,
+                       target="gguf"),
     # run by make alone: a what-if before renting a GPU, a server, an upload, a re-run that compares bytes
     "plan": Stage("plan", "Memory, time and cost of a train run before renting a GPU -> outputs/plan.json",
                   outs=["outputs/plan.json"], dvc=False),

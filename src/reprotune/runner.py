@@ -234,9 +234,10 @@ def dvc_stage(target: str, preference: bool) -> str:
         return target
     found = [name for name, st in DVC_STAGES.items() if (st.target or name) == target and st.preference == preference]
     if not found:
-        raise ReprotuneError(f"make {target}: no stage of the preference chain (objective=dpo|orpo|kto): the "
-                             f"preference stages are prepare_pairs, train_pref and eval_pref (make prepare, train, "
-                             f"eval); make {target} works on the SFT adapter, without an objective in ARGS")
+        chain = [n for n, st in DVC_STAGES.items() if st.preference == preference]
+        which = "the preference chain (objective=dpo|orpo|kto)" if preference else "the SFT chain"
+        raise ReprotuneError(f"make {target}: no stage of {which}: its stages are {', '.join(chain)} (make "
+                             f"{', '.join(dict.fromkeys(DVC_STAGES[n].target or n for n in chain))})")
     return found[0]
 
 

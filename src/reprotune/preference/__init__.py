@@ -3,8 +3,9 @@ formats (`formats`), their preparation into train/holdout pairs (`pairs`) and th
 (reprotune.invoices.wrong_extraction). docs/preference.md says how to use it.
 
 A preference run has its own inputs and outputs, so that it and the SFT run it starts from are both versioned
-(dvc.yaml's stages prepare_pairs, train_pref, eval_pref): `route_paths` points paths.prepared at paths.pairs
-and the adapter, train, eval and checkpoint folders under paths.pref, once, at the start of each stage."""
+(dvc.yaml's stages prepare_pairs, train_pref, eval_pref, merge_pref, gguf_pref): `route_paths` points
+paths.prepared at paths.pairs and the adapter, train, eval, checkpoint and export folders (merged, gguf, export)
+under paths.pref, once, at the start of each stage."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def _line_of(path: Path, key: str) -> int:
 
 
 def check_chain(cfg: Any, config_name: str | None) -> None:
-    """A DVC stage runs with the params file of its chain: the SFT stages (prepare, train, eval: params.yaml)
-    with objective=sft, the preference stages (prepare_pairs, train_pref, eval_pref: params_pref.yaml) with
-    dpo, orpo or kto; the other way round they would write the other chain's outputs. One line, exit 2."""
+    """A DVC stage runs with the params file of its chain: the SFT stages (prepare, train, eval, merge, gguf:
+    params.yaml) with objective=sft, the preference stages (prepare_pairs, train_pref, eval_pref, merge_pref,
+    gguf_pref: params_pref.yaml) with dpo, orpo or kto; the other way round they would write the other chain's
+    outputs. One line, exit 2."""
     from reprotune.errors import ReprotuneError
 
     if config_name not in (SFT_PARAMS, PREF_PARAMS):
@@ -49,17 +51,19 @@ def check_chain(cfg: Any, config_name: str | None) -> None:
     name = objective_name(cfg)
     where = f"{config_name}.yaml:{_line_of(Path(f'{config_name}.yaml'), 'objective')}: objective.name"
     if config_name == PREF_PARAMS and not is_preference(cfg):
-        raise ReprotuneError(f"{where}: {name!r}, but the preference stages (prepare_pairs, train_pref, eval_pref) "
-                             f"train dpo, orpo or kto; write it with make train ARGS=\"objective=dpo\" (or "
-                             f"python -m reprotune.config objective=dpo)")
+        raise ReprotuneError(f"{where}: {name!r}, but the preference stages (prepare_pairs, train_pref, eval_pref, "
+                             f"merge_pref, gguf_pref) run dpo, orpo or kto; write it with make train "
+                             f"ARGS=\"objective=dpo\" (or python -m reprotune.config objective=dpo)")
     if config_name == SFT_PARAMS and is_preference(cfg):
-        raise ReprotuneError(f"{where}: {name!r}, but the SFT stages (prepare, train, eval) run objective=sft; a "
-                             f"preference objective goes to params_pref.yaml: make train ARGS=\"objective={name}\"")
+        raise ReprotuneError(f"{where}: {name!r}, but the SFT stages (prepare, train, eval, merge, gguf) run "
+                             f"objective=sft; a preference objective goes to params_pref.yaml: make train "
+                             f"ARGS=\"objective={name}\"")
 
 
 def route_paths(cfg: Any) -> Any:
     """A preference run's own paths, in place: it reads the pairs in paths.pairs and writes its adapter, train
-    record, eval and checkpoints under paths.pref, never over the SFT run's data/prepared and outputs/adapter.
+    record, eval, checkpoints and exports (merged model, GGUF, export manifests) under paths.pref, never over the
+    SFT run's data/prepared, outputs/adapter, outputs/merged or outputs/gguf.
     objective.init_adapter is resolved first (its default ${paths.adapter} is the SFT adapter). Checks the
     chain (check_chain) when the stage runs under Hydra. Idempotent; an SFT config is returned as it is."""
     from hydra.core.hydra_config import HydraConfig
@@ -74,4 +78,6 @@ def route_paths(cfg: Any) -> Any:
     paths.prepared = str(paths.pairs)
     paths.adapter, paths.train_dir = f"{pref}/adapter", f"{pref}/train"
     paths.eval_dir, paths.checkpoints = f"{pref}/eval", f"{pref}/checkpoints"
+    paths.merged, paths.gguf, paths.export_dir = f"{pref}/merged", f"{pref}/gguf", f"{pref}/export"
     return cfg
+

@@ -77,6 +77,18 @@ def read_pairs(path: Path, max_pairs: int | None = None) -> list[dict[str, Any]]
     return rows
 
 
+def export_conversations(path: Path) -> list[list[dict[str, Any]]] | list[str]:
+    """A preference holdout (data/pairs/holdout.jsonl) as the export stages' parity checks read it: each row's
+    prompt followed by its chosen answer (a KTO row: its completion, whatever its label), one conversation per
+    row in file order; text (standard) rows as their text, prompt + answer. The parity checks compare models on
+    these tokens, so which answer a row prefers does not matter, only that the model sees real task text."""
+    rows = read_pairs(path)  # one kind in a file, one line per bad row (file:line: field: what)
+    answer = "chosen" if "chosen" in rows[0] else "completion"
+    if isinstance(rows[0]["prompt"], str):
+        return [row["prompt"] + row[answer] for row in rows]
+    return [[*row["prompt"], *row[answer]] for row in rows]
+
+
 def tokenized(tokenizer: Any, prompt: list[dict] | str, answers: list[list[dict] | str], tools: str | None = None
               ) -> tuple[list[list[int]], int]:
     """(prompt + answer token ids for each answer, where the answers start), as TRL 1.16 tokenizes a row (its tools,
