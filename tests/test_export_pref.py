@@ -1,7 +1,7 @@
 """Export of the preference adapter (merge_pref, gguf_pref) and make verify of a preference run, on the tiny model:
 DPO from the shared tiny SFT adapter on the built-in pairs, merged into the base and converted to GGUF under
 outputs/pref (the SFT run's outputs left byte for byte), the parity checks of merge and gguf run on the preference
-holdout."""
+holdout, and the train_pref manifest re-run by reprotune.verify from its start adapter (copied, sha256-checked)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
-from reprotune.manifest import sha256_tree
+from reprotune.manifest import sha256_tree, tree_digest
 
 from .conftest import TINY_ADAPTER_TRAIN, built_once, small_invoices, tiny_adapter_run, write_jsonl
 
@@ -144,6 +144,40 @@ def test_make_verify_reruns_the_merge_pref_manifest(exported: dict) -> None:
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"output merged\s+identical", proc.stdout) and "RESULT: identical" in proc.stdout
+
+
+@pytest.mark.slow  # a second DPO run in the re-run
+def test_make_verify_reruns_a_preference_train_from_its_start_adapter(trained: tuple[Path, list[str]],
+                                                                      tmp_path: Path) -> None:
+    """The train_pref manifest records its start adapter under objective (path, sha256), not inputs: verify copies
+    it into the re-run and checks its sha256 first; a changed start adapter is one line and exit 2."""
+    root, _ = trained
+    manifest = json.loads((root / "outputs/pref/train/manifest.json").read_text())
+    init = manifest["objective"]["init_adapter"]
+    assert init["path"] == "outputs/adapter" and "adapter" not in manifest["inputs"]
+    assert init["sha256"] == tree_digest(sha256_tree(root / "outputs/adapter"))
+    proc = subprocess.run([sys.executable, "-m", "reprotune.verify", str(root / "outputs/pref/train/manifest.json")],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"output adapter\s+identical", proc.stdout) and "RESULT: identical" in proc.stdout
+    assert re.search(r"input\s+data\s+same", proc.stdout)
+
+    # the same run with another start adapter in outputs/adapter: refused before anything is re-run
+    copy = tmp_path / "run"
+    for rel in ("data/pairs", "outputs/adapter", "outputs/pref/train"):
+        shutil.copytree(root / rel, copy / rel)
+    weights = copy / "outputs/adapter/adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "reprotune.verify", str(copy / "outputs/pref/train/manifest.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "re-running stage" not in proc.stdout, proc.stderr
+    assert re.fullmatch(rf"verify: objective.init_adapter: the start adapter {copy}/outputs/adapter is not the one "
+                        rf"this run started from \(sha256 [0-9a-f]{{16}}, the manifest records "
+                        rf"{init['sha256'][:16]}\); .*", lines[0])
 
 
 def test_export_paths_of_a_preference_run_are_its_own(tmp_path: Path) -> None:

@@ -58,7 +58,8 @@ CATEGORIES: dict[str, Any] = {
     "code": lambda m: {"src_sha256": m.get("code", {}).get("src_sha256") or m.get("git", {}).get("commit")},
     "lock": lambda m: {"lockfile": m.get("lock", {}).get("sha256"), "variant": m.get("lock", {}).get("variant"),
                        "installed_packages": m.get("packages", {}).get("all_sha256")},
-    "data": lambda m: {name: rec.get("sha256") for name, rec in m.get("inputs", {}).items()},
+    "data": lambda m: {**{name: rec.get("sha256") for name, rec in m.get("inputs", {}).items()},
+                       **({"objective.init_adapter": rec.get("sha256")} if (rec := start_adapter(m)) else {})},
     "config": _config_without_paths,
     "hardware": lambda m: _hardware(m.get("hardware", {})),
     "driver": lambda m: {"driver": m.get("hardware", {}).get("driver"), "torch": m.get("runtime", {}).get("torch"),
@@ -176,6 +177,37 @@ def copy_inputs(manifest: dict, root: Path, tmp: Path) -> None:
             shutil.copy2(src, dst)
 
 
+def start_adapter(manifest: dict) -> dict | None:
+    """The adapter a preference run started from (objective.init_adapter: its path and sha256), or None."""
+    rec = (manifest.get("objective") or {}).get("init_adapter")
+    return rec if isinstance(rec, dict) and rec.get("path") else None
+
+
+def copy_start_adapter(manifest: dict, root: Path, tmp: Path) -> None:
+    """A preference train's start adapter (recorded under objective, not inputs), checked against its recorded
+    sha256 and copied into the re-run's root like an input; one outside the run's root is checked and used in
+    place (the re-run's config names it by its absolute path). A start adapter that is missing or not the one
+    the run started from is one line: the re-run would start from other weights."""
+    from reprotune.manifest import path_record
+
+    rec = start_adapter(manifest)
+    if rec is None:
+        return
+    rel = Path(rec["path"])
+    src = rel if rel.is_absolute() else root / rel
+    if not (src / "adapter_config.json").is_file():
+        raise ReprotuneError(f"objective.init_adapter: the start adapter {src} is missing: restore it first "
+                             "(make pull, or dvc checkout train)")
+    now = path_record(src)["sha256"]
+    if now != rec.get("sha256"):
+        raise ReprotuneError(f"objective.init_adapter: the start adapter {src} is not the one this run started "
+                             f"from (sha256 {now[:16]}, the manifest records {str(rec.get('sha256'))[:16]}); restore "
+                             "that adapter (dvc checkout train at the run's revision) and verify again")
+    inside = not rel.is_absolute() and not os.path.normpath(rel).startswith("..")
+    if inside:
+        shutil.copytree(src, tmp / rel, dirs_exist_ok=True)
+
+
 # DVC stage name -> module, where they differ ("eval" would shadow nothing, but reads badly as a module)
 STAGE_MODULES = {"eval": "evaluate"}
 
@@ -188,6 +220,7 @@ def rerun_stage(manifest: dict, root: Path, tmp: Path, overrides: list[str]) -> 
     config = _reroot_strings(config, old_root, tmp)  # resolved values such as data.path=<root>/data/raw/...
     config["paths"] = paths
     copy_inputs(manifest, root, tmp)
+    copy_start_adapter(manifest, root, tmp)
     primary = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
                "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **config}
     (tmp / "verify-config.yaml").write_text(yaml.safe_dump(primary, sort_keys=False))
