@@ -190,16 +190,17 @@ def test_export_paths_of_a_preference_run_are_its_own(tmp_path: Path) -> None:
     assert (sft.paths.merged, sft.paths.gguf) == (f"{tmp_path}/outputs/merged", f"{tmp_path}/outputs/gguf")
 
 
-def test_gguf_of_text_pairs_is_one_line_before_llama_cpp(tmp_path: Path) -> None:
+@pytest.mark.slow  # needs the llama.cpp build (the holdout is read once llama.cpp and the quant types are checked)
+def test_gguf_of_text_pairs_is_one_line_before_any_conversion(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
     from reprotune.gguf import gguf
 
-    (tmp_path / "outputs/pref/merged").mkdir(parents=True)
+    root, over = trained
+    shutil.copytree(root / "outputs/pref/adapter", tmp_path / "outputs/pref/merged")  # its tokenizer, no weights
     (tmp_path / "outputs/pref/merged/config.json").write_text("{}")
     write_jsonl(tmp_path / "data/pairs/holdout.jsonl", [{"prompt": "The sky is", "chosen": " blue.",
                                                          "rejected": " green."}])
     with pytest.raises(ReprotuneError) as err:
-        gguf(compose(["model=tiny_random", "objective=dpo", f"paths.root={tmp_path}",
-                      "export.llama_cpp_dir=/nonexistent"]))
+        gguf(compose([*over, f"paths.root={tmp_path}"]))
     assert str(err.value).startswith(f"{tmp_path}/data/pairs/holdout.jsonl:1: prompt: text (standard) preference "
                                      "rows; the GGUF parity checks render chat prompts")
     assert not (tmp_path / "outputs/pref/gguf").exists()

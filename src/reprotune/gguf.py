@@ -310,7 +310,6 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     if not (merged / "config.json").is_file():
         how = f"make merge ARGS=\"objective={cfg.objective.name}\"" if is_preference(cfg) else "make merge"
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
-    prompts = prompts_of(holdout_conversations(cfg))  # before the llama.cpp build: a bad holdout fails at once
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
     n_threads = threads(cfg)
@@ -318,6 +317,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     if outtype not in OUTTYPE_NAME:
         raise ReprotuneError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
     tokenizer = load_tokenizer(merged)
+    prompts = prompts_of(holdout_conversations(cfg))
 
     final = Path(cfg.paths.gguf)
     tmp = fresh_dir(final)
