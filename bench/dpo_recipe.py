@@ -147,15 +147,18 @@ def trl_recipe(model_dir: str, data: Path, method: str, steps: int, result: Path
 
 # ------------------------------------------------------------------------------------------- (b) reprotune
 def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "reprotune.train", "objective=dpo", f"model={model}", f"method={method}",
+    # a fresh adapter, reference = the base with it disabled (as the TRL recipe); a preference run reads its pairs
+    # from paths.pairs and writes under paths.pref (reprotune.preference.route_paths)
+    cmd = [sys.executable, "-m", "reprotune.train", "objective=dpo", "objective.init_adapter=null",
+           f"model={model}", f"method={method}",
            f"paths.root={root}", "hardware=gpu", "data.max_length=2048", f"train.max_steps={steps}",
            "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=4",
            "train.learning_rate=5e-5", "objective.beta=0.1", "train.logging_steps=1", "train.save_steps=100000",
            "train.run.resume=never", *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    manifest = json.loads((root / "outputs/train/manifest.json").read_text())
-    metrics = json.loads((root / "outputs/train/metrics.json").read_text())
+    manifest = json.loads((root / "outputs/pref/train/manifest.json").read_text())
+    metrics = json.loads((root / "outputs/pref/train/metrics.json").read_text())
     t, rs = manifest["timing"], manifest["run_settings"]
     recompute = 0.0 if not rs["activation_checkpointing"] else 1.0 / rs["checkpoint_every_n_layers"]
     return {"final_loss": metrics["final_train_loss"], "step_seconds": t["step_seconds"],
@@ -199,8 +202,8 @@ def main() -> None:
                 r = json.loads(result.read_text())
             else:
                 (root / "data").mkdir(exist_ok=True)
-                if not (root / "data" / "prepared").exists():
-                    (root / "data" / "prepared").symlink_to(data.parent.resolve())
+                if not (root / "data" / "pairs").exists():
+                    (root / "data" / "pairs").symlink_to(data.parent.resolve())
                 r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else [])])
         except subprocess.CalledProcessError as err:
             r = {"failed": err.returncode}
