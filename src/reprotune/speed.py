@@ -155,6 +155,8 @@ def profiler_callback(steps: tuple[int, int], out_table: str):
             if state.global_step == steps[0] and self.prof is None:
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 self.prof = torch.profiler.profile(activities=acts)
+                torch.cuda.synchronize()
+                self.started = time.perf_counter()
                 self.prof.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -162,15 +164,22 @@ def profiler_callback(steps: tuple[int, int], out_table: str):
 
             if self.prof is not None and state.global_step >= steps[1]:
                 torch.cuda.synchronize()
+                wall = time.perf_counter() - self.started
                 self.prof.__exit__(None, None, None)
                 averages = self.prof.key_averages()
                 try:
                     table = averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=90)
+                    busy = sum(a.self_device_time_total for a in averages) / 1e6
                 except (AttributeError, KeyError):
                     table = averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+                    busy = sum(a.self_cuda_time_total for a in averages) / 1e6
+                # where the host spends its time: a GPU that waits on Python shows up as busy << wall
+                cpu = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90)
                 os.makedirs(os.path.dirname(out_table), exist_ok=True)
                 with open(out_table, "w") as fh:
-                    fh.write(f"torch.profiler, optimizer steps {steps[0]}..{steps[1]}\n{table}\n")
+                    fh.write(f"torch.profiler, optimizer steps {steps[0]}..{steps[1]}: {wall:.3f} s wall, "
+                             f"{busy:.3f} s of GPU kernels ({busy / wall:.1%} busy; overlapping streams can "
+                             f"exceed 100%)\n{table}\n\nby host time\n{cpu}\n")
                 log.info("profile of steps %s written to %s", steps, out_table)
                 self.prof = None
 
