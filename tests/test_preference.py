@@ -212,6 +212,31 @@ def test_dpo_starts_from_the_sft_adapter_which_is_the_reference(tmp_path: Path, 
         run_train(tmp_path, "objective=dpo", f"objective.init_adapter={out}")
 
 
+@pytest.mark.parametrize(("objective", "fixture", "packing"), [("dpo", "trl_conversational.jsonl", False),
+                                                                ("dpo", "trl_conversational.jsonl", True),
+                                                                ("kto", "kto.jsonl", False)],
+                         ids=["dpo-padded", "dpo-packed", "kto"])
+def test_the_reference_forward_leaves_checkpointing_as_train_set_it(tmp_path: Path, objective: str, fixture: str,
+                                                                     packing: bool) -> None:
+    """TRL 1.16 turns checkpointing off and back on around each reference forward, and the re-enable drops
+    every_n_layers (every layer checkpointed from the second micro-step on, then torch's checkpoint fails on the
+    key). reprotune leaves the setting alone: a run checkpointing every second layer trains to the adapter bytes of
+    the same run without checkpointing."""
+    adapters = []
+    for name, ckpt in (("ckpt", ["hardware.gradient_checkpointing=true",
+                                  "++train.activation_checkpointing_kwargs={every_n_layers:2}"]),
+                       ("plain", ["hardware.gradient_checkpointing=false"])):
+        pair_workspace(tmp_path / name, fixture)
+        record = run_train(tmp_path / name, f"objective={objective}", f"train.packing={packing}", *ckpt)
+        assert record["run_settings"]["activation_checkpointing"] is (name == "ckpt")
+        if name == "ckpt":
+            assert record["run_settings"]["checkpoint_every_n_layers"] == 2
+        metrics = json.loads((tmp_path / name / "outputs/pref/train/metrics.json").read_text())
+        assert metrics["global_step"] == 2
+        adapters.append(record["outputs"]["adapter"]["sha256"])
+    assert adapters[0] == adapters[1]
+
+
 @pytest.mark.parametrize(("objective", "fixture", "method"), [("orpo", "trl_conversational.jsonl", "lora"),
                                                                ("kto", "kto.jsonl", "lora"),
                                                                ("dpo", "trl_standard.jsonl", "dora")])

@@ -45,6 +45,7 @@ from reprotune.preference.trainers import (
     preference_config,
     read_pairs,
     reference,
+    reference_keeps_checkpointing,
     sequence_tokens,
     trl_classes,
     with_init_adapter,
@@ -272,6 +273,7 @@ def objective(cfg: DictConfig, run: RunSettings) -> Objective:
     DPO on packed pairs when the run packs: reprotune.preference.packed)."""
     if is_preference(cfg):
         trainer_class, _ = trl_classes(cfg.objective.name)
+        trainer_class = reference_keeps_checkpointing(trainer_class)
         if run.packing:  # decide packs DPO's pairs only
             trainer_class = packed_dpo_trainer_class(trainer_class)
         return Objective(trainer_class=checkpoints.sealing_trainer_class(trainer_class),
