@@ -242,9 +242,10 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
     b, longest = s.batch_size, s.max_length if data is None else min(data.max_tokens, s.max_length)
     where = "the prepared rows' longest sequence" if data else "max_length: no prepared rows"
     if s.sequences == 2:
-        rows = f"2B rows ({2 * b}: prompt + chosen, prompt + rejected) of the longest sequence ({longest} tokens, {where})"
+        rows = (f"2B rows (B = {b} pairs: {2 * b} rows, prompt + chosen and prompt + rejected) of the longest "
+                f"sequence ({longest} tokens, {where})")
     else:
-        rows = f"B rows ({b}) of the longest sequence ({longest} tokens, {where})"
+        rows = f"B rows (B = {b}: a prompt and its completion) of the longest sequence ({longest} tokens, {where})"
     extra = []
     if s.reference:
         extra.append("the reference forward over them without gradients (no saved activations, a transient)")
