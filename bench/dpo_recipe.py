@@ -4,12 +4,15 @@ invocation (issue #26).
     python bench/dpo_recipe.py                                   # Qwen3-8B (real architecture), LoRA and QLoRA
     python bench/dpo_recipe.py --runs trl:lora ours:lora --steps 8 -- model.random_init.tokenizer_dir=/tok
     python bench/dpo_recipe.py --runs ours:lora+strict ours:lora+strict#2        # repro=strict, twice
+    python bench/dpo_recipe.py --runs ours:lora@orpo ours:qlora@kto             # another objective, same pairs
 
 (a) `trl:*`: trl.DPOTrainer as a plain script would write it: LoRA r16 alpha 32 dropout 0.05 on all linear
     layers, batch 4 x grad-accum 4 pairs, max_length 2048, gradient checkpointing, bf16, the reference = the base
     with the adapter disabled (TRL's default for a PEFT model); `trl:qlora` the same on 4-bit NF4.
 (b) `ours:*`: `python -m reprotune.train objective=dpo` with its GPU defaults (hardware=gpu), the same pairs, batch,
-    learning rate and beta.
+    learning rate and beta; `ours:<method>@orpo` / `@kto` trains that objective instead (TRL pads ORPO's and KTO's
+    batches: the plan's padded-pair model, uncalibrated until such runs are recorded in conf/plan/calibration.json;
+    KTO unpairs each pair into two examples, so its 16 examples a step are 8 pairs' sequences).
 Data: 400 seed-shaped pairs (bench/seed_recipe.py's examples: the system and user turns are the prompt, the
 answer is chosen, a same-length answer of other words rejected); a pair's tokens are counted as the issue does,
 prompt twice: prompt + chosen + prompt + rejected (mean ~1,300). Tokens/s = 16 pairs' tokens per optimizer step
@@ -90,17 +93,24 @@ def write_report(prepared: Path, tokenizer, rows: list[dict], model: str) -> flo
               "tokens": {"model": model, "longest_sequence_of_pair": True,
                          "train": distribution([m[0] for m in measured]), "packed_pair_train": distribution(packed),
                          "answer_share_train": round(sum(m[2] for m in measured) / sum(packed), 4)}}
+    report["pairs"]["paired"] = True  # KTO unpairs each into two examples (reprotune.sizing.shape)
     (prepared / "report.json").write_text(json.dumps(report, indent=1))
     return sum(packed) / len(packed)
 
 
-def dpo_flops_per_token(model_config, mean_sequence_tokens: float, recompute: float) -> float:
-    """The policy's LoRA step plus the reference's forward (dense and attention), per token."""
+# forwards without gradients per sequence trained: DPO's reference; none for ORPO; KTO's reference and its KL
+# batch through the policy and the reference (trl/trainer/kto_trainer.py)
+NO_GRAD_FORWARDS = {"dpo": 1, "orpo": 0, "kto": 3}
+
+
+def dpo_flops_per_token(model_config, mean_sequence_tokens: float, recompute: float, no_grad_forwards: int = 1) -> float:
+    """The policy's LoRA step plus the forwards without gradients (the reference's: dense and attention), per
+    token."""
     from reprotune import speed
 
     forward = speed.matmul_flops_per_token(model_config) + speed.attention_flops_per_token(model_config,
                                                                                           mean_sequence_tokens)
-    return speed.lora_step_flops_per_token(model_config, mean_sequence_tokens, recompute) + forward
+    return speed.lora_step_flops_per_token(model_config, mean_sequence_tokens, recompute) + no_grad_forwards * forward
 
 
 def steady(step_seconds: list[float], mean_pair_tokens: float) -> float | None:
@@ -146,10 +156,10 @@ def trl_recipe(model_dir: str, data: Path, method: str, steps: int, result: Path
 
 
 # ------------------------------------------------------------------------------------------- (b) reprotune
-def ours(model: str, method: str, root: Path, steps: int, overrides: list[str]) -> dict:
+def ours(model: str, method: str, root: Path, steps: int, overrides: list[str], objective: str = "dpo") -> dict:
     # a fresh adapter, reference = the base with it disabled (as the TRL recipe); a preference run reads its pairs
     # from paths.pairs and writes under paths.pref (reprotune.preference.route_paths)
-    cmd = [sys.executable, "-m", "reprotune.train", "objective=dpo", "objective.init_adapter=null",
+    cmd = [sys.executable, "-m", "reprotune.train", f"objective={objective}", "objective.init_adapter=null",
            f"model={model}", f"method={method}",
            f"paths.root={root}", "hardware=gpu", "data.max_length=2048", f"train.max_steps={steps}",
            "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=4",
@@ -193,8 +203,12 @@ def main() -> None:
     for run in args.runs:
         who, spec = run.split(":")
         spec, _, _repeat = spec.partition("#")
+        spec, _, objective = spec.partition("@")  # ours:lora@orpo: another objective (default dpo)
+        objective = objective or "dpo"
+        if who == "trl" and objective != "dpo":
+            raise SystemExit(f"{run}: the plain TRL recipe is DPO's; name another objective on ours: runs")
         method, _, mode = spec.partition("+")
-        root = args.out / run.replace(":", "-").replace("+", "-").replace("#", "-")
+        root = args.out / run.replace(":", "-").replace("+", "-").replace("#", "-").replace("@", "-")
         root.mkdir(parents=True, exist_ok=True)
         try:
             if who == "trl":
@@ -206,19 +220,24 @@ def main() -> None:
                 (root / "data").mkdir(exist_ok=True)
                 if not (root / "data" / "pairs").exists():
                     (root / "data" / "pairs").symlink_to(data.parent.resolve())
-                r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else [])])
+                r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else [])],
+                         objective)
         except subprocess.CalledProcessError as err:
             r = {"failed": err.returncode}
         if "failed" not in r:
-            r["steady_tokens_per_s"] = steady(r["step_seconds"], stats["mean"])
-            flops = dpo_flops_per_token(config, stats["mean"] / 2, r["recompute"])
+            r["objective"] = objective
+            # a step's tokens: 16 pairs' (prompt twice), KTO's 16 examples one sequence each
+            per_example = stats["mean"] / 2 if objective == "kto" else stats["mean"]
+            r["steady_tokens_per_s"] = steady(r["step_seconds"], per_example)
+            ng = NO_GRAD_FORWARDS[objective]
+            flops = dpo_flops_per_token(config, stats["mean"] / 2, r["recompute"], ng)
             from reprotune import speed
 
             r["mfu"] = speed.mfu(r["steady_tokens_per_s"], flops) if r["steady_tokens_per_s"] else None
             # the GPU's own rate: packed pairs compute each prompt once (a counted token is then fewer FLOPs)
             computed = stats["packed_mean"] if r.get("run_settings", {}).get("packing") else stats["mean"]
             r["mfu_computed"] = (speed.mfu(r["steady_tokens_per_s"] * computed / stats["mean"],
-                                           dpo_flops_per_token(config, computed / 2, r["recompute"]))
+                                           dpo_flops_per_token(config, computed / 2, r["recompute"], ng))
                                  if r["steady_tokens_per_s"] else None)
         results[run] = r
         print(json.dumps({run: r}), flush=True)
@@ -227,7 +246,8 @@ def main() -> None:
 
 
 def print_table(model: str, steps: int, stats: dict, results: dict) -> None:
-    print(f"\n{model}, DPO, {steps} optimizer steps of 16 pairs (4 x 4), {stats['pairs']} pairs of mean "
+    objectives = "/".join(sorted({r.get("objective", "dpo").upper() for r in results.values()})) or "DPO"
+    print(f"\n{model}, {objectives}, {steps} optimizer steps of 16 pairs (4 x 4; KTO: 16 examples), {stats['pairs']} pairs of mean "
           f"{stats['mean']:.0f} tokens (prompt twice)\n")
     print(f"MFU counts the issue's tokens (prompt twice); 'computed' counts what ran (packed pairs: the prompt once, "
           f"mean {stats['packed_mean']:.0f} tokens a pair)\n")
@@ -237,7 +257,8 @@ def print_table(model: str, steps: int, stats: dict, results: dict) -> None:
         if "failed" in r:
             print(f"| {run} | failed (exit {r['failed']}) | | | | | | | |")
             continue
-        base = results.get("trl:" + run.split(":")[1].split("+")[0].split("#")[0]) or {}
+        base = (results.get("trl:" + run.split(":")[1].split("+")[0].split("#")[0]) or {}
+                if r.get("objective", "dpo") == "dpo" else {})  # the TRL recipe is DPO's
         ratio = (r["steady_tokens_per_s"] / base["steady_tokens_per_s"]
                  if base.get("steady_tokens_per_s") and r["steady_tokens_per_s"] else None)
         rs = r.get("run_settings")

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, quantization
 from reprotune.errors import ReprotuneError
-from reprotune.preference import is_preference, objective_name
+from reprotune.preference import WITH_REFERENCE, is_preference, objective_name
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import GIB, Settings, memory_budget, needed_bytes
@@ -148,6 +148,11 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
         # pairs kept on the GPU; every micro-step's row has another length, so its pinned host buffers are new
         # allocations each time. Only when asked for.
         offload = False if offload is None else offload
+    elif is_preference(cfg):
+        # padded pairs (ORPO, KTO, unpacked DPO): neither has run on a GPU with TRL's preference trainers (packed
+        # DPO pairs broke the tiled MLP's recompute; ORPOConfig has no offloading switch); only when asked for
+        tiled = False if tiled is None else tiled
+        offload = False if offload is None else offload
     if offload and device != "cuda":
         raise ReprotuneError(f"hardware.activation_offloading=true: TRL's activation offloading moves GPU tensors "
                              f"to host memory and this run is on {device} (use hardware=gpu, or leave it auto)")
@@ -201,13 +206,66 @@ def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
 def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
     """The longest packed pair: from the prepared pairs, else its bound (a prompt and two answers, each sequence
     at most data.max_length: 2 * max_length)."""
-    data = load_data_shape(cfg) if data == "prepared" else data
+    data = load_data_shape(cfg, padded=False) if data == "prepared" else data
     return data.max_tokens if data else 2 * int(cfg.train.max_length)
+
+
+def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
+    """A preference run on TRL 1.16's padded batches: ORPO, KTO, and DPO unpacked (train.packing=false, off a GPU)."""
+    return is_preference(cfg) and not packed_pairs(cfg, p)
+
+
+def preference_padded_on(cfg: DictConfig, hw: Hardware) -> bool:
+    """padded_preference on `hw` (make plan reads the prepared rows the way the run will batch them)."""
+    return padded_preference(cfg, _paths(cfg, hw))
+
+
+def padded_batch(cfg: DictConfig) -> dict[str, Any]:
+    """What a micro-batch of a padded preference objective runs, from TRL 1.16's trainers (trl/trainer/dpo_trainer.py
+    DataCollatorForPreference and _compute_loss, trl/experimental/orpo/orpo_trainer.py concatenated_forward,
+    trl/trainer/kto_trainer.py _compute_loss and _compute_kl_logps), as the memory model's Settings fields:
+    - DPO: 2B rows (prompt + chosen, prompt + rejected) padded to the longest, the policy's forward with gradients,
+      then the reference's over the same rows under torch.no_grad (none with precompute_ref_log_probs);
+    - ORPO: the same 2B rows, no reference; the model returns the logits of every position (no fused LM head);
+    - KTO: B rows (a prompt and its completion) with gradients; its KL batch (B rows of a prompt and the previous
+      example's completion, loss_type kto) goes through the policy under torch.no_grad, before its forward, and
+      through the reference, after it; the reference forward of the B rows under torch.no_grad."""
+    name, obj = objective_name(cfg), cfg.objective
+    return {"sequences": 1 if name == "kto" else 2,
+            "reference": name in WITH_REFERENCE and not obj.get("precompute_ref_log_probs", False),
+            "kl_rows": name == "kto" and str(obj.get("loss_type", "kto")) != "apo_zero_unpaired",
+            "full_logits": name == "orpo"}
+
+
+def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
+    """The plan's line for a padded preference run (its settings as fitted)."""
+    b, longest = s.batch_size, s.max_length if data is None else min(data.max_tokens, s.max_length)
+    where = "the prepared rows' longest sequence" if data else "max_length: no prepared rows"
+    if s.sequences == 2:
+        rows = (f"2B rows (B = {b} pairs: {2 * b} rows, prompt + chosen and prompt + rejected) of the longest "
+                f"sequence ({longest} tokens, {where})")
+    else:
+        rows = f"B rows (B = {b}: a prompt and its completion) of the longest sequence ({longest} tokens, {where})"
+    extra = []
+    if s.reference:
+        extra.append("the reference forward over them without gradients (no saved activations, a transient)")
+    elif objective_name(cfg) in WITH_REFERENCE:
+        extra.append("no reference forward (precompute_ref_log_probs)")
+    else:
+        extra.append("no reference")
+    if s.kl_rows:
+        extra.append(f"the KL batch ({b} mismatched prompt/completion rows) through the policy"
+                     f"{' and the reference' if s.reference else ''} without gradients")
+    if s.full_logits:
+        extra.append("the logits of every position (TRL's ORPO has no fused LM head)")
+    return (f"padded pairs: {objective_name(cfg)} modelled as {rows} with gradients; {'; '.join(extra)}; "
+            "not calibrated on a GPU")
 
 
 def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "prepared") -> Settings:
     """The memory model's view of the configured run (checkpointing=auto counted as on: the fit decides); packed
-    DPO pairs as packed rows of the longest pair (rows = pairs per micro-batch)."""
+    DPO pairs as packed rows of the longest pair (rows = pairs per micro-batch); padded preference rows as
+    padded_batch says, each sequence at most the objective's max_length."""
     method, train = cfg.method, cfg.train
     targets = method.target_modules or cfg.model.lora_target_modules
     targets = [targets] if isinstance(targets, str) else list(targets)
@@ -215,20 +273,27 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
     ckpt = cfg.hardware.gradient_checkpointing
     attn = p.attn or "sdpa"
     offload, tiled = long_context_switches(cfg, "cuda")  # forced on: in the view; auto: the fit adds them
+    padded = padded_batch(cfg) if padded_preference(cfg, p) else {}
+    if packed_pairs(cfg, p):
+        max_length = pair_row_tokens(cfg, data)
+    elif padded:
+        max_length = int(cfg.objective.get("max_length") or train.max_length)
+    else:
+        max_length = int(train.max_length)
     return Settings(method=str(method.name), load_in_4bit=bool(quant.get("load_in_4bit", False)),
                     double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
                     dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
                     checkpointing=True if _auto(ckpt) else bool(ckpt), packing=p.packing,
                     batch_size=int(train.per_device_train_batch_size),
                     grad_accum=int(train.gradient_accumulation_steps),
-                    max_length=pair_row_tokens(cfg, data) if packed_pairs(cfg, p) else int(train.max_length),
+                    max_length=max_length,
                     # varlen_attention keeps what flex attention keeps for backward (q, k, v, out, lse): one rule
                     # pair_dense (strict DPO) keeps each document's score matrix for backward, as eager does
                     eager_attention=attn in ("eager", "pair_dense"),
                     mask_repeats_kv=attn not in ("eager", "pair_dense") and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
-                    tiled_mlp=tile_tokens(cfg) if tiled else 0)
+                    tiled_mlp=tile_tokens(cfg) if tiled else 0, **padded)
 
 
 def tile_tokens(cfg: DictConfig) -> int:
@@ -259,12 +324,8 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     except PlanError as err:  # an unknown architecture must not block training: say so and go on as configured
         reasons.append(f"plan: {err} (no memory fit)")
         shape = None
-    if is_preference(cfg) and not packed_pairs(cfg, p):  # padded pairs (ORPO, KTO, packing off): not modelled
-        data, shape = None, None
-        reasons.append(f"plan: {objective_name(cfg)} on padded pairs: memory not modelled (uncalibrated: two "
-                       "padded sequences per pair plus a reference forward); runs as configured, checkpointing as "
-                       "hardware says")
-    data = load_data_shape(cfg) if data == "prepared" else data
+    padded = padded_preference(cfg, p)
+    data = load_data_shape(cfg, padded=padded) if data == "prepared" else data
     if shape is not None and packed_pairs(cfg, p):
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers); the reference forward runs without gradients")
@@ -298,6 +359,8 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
                               if hw.host_available_bytes else ""))
         if tile:
             reasons.append(f"MLP in {tile}-token tiles: its intermediates live for one tile at a time")
+    if padded and planned is not None:
+        reasons.append(f"plan: {padded_reason(cfg, planned, data)}")
     ckpt = False if _auto(ckpt) else bool(ckpt)  # off CUDA nothing is fitted: auto is off
     strategy = distributed.strategy(cfg, hw.world_size)
     process_accum, batch_line = distributed.global_batch(cfg, rows, accum, hw.world_size)

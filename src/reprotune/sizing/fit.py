@@ -83,7 +83,8 @@ def candidate_settings(s: Settings) -> list[Settings]:
     # every layer 6,376)
     ladder += [replace(plain, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
     ladder += long_context_options(plain)  # every layer, then offloaded, then the tiled MLP (issue #27)
-    for bs in [r for r in range(s.batch_size - 1, 0, -1) if s.batch_size % r == 0]:
+    # KTO's KL term needs two rows or more (TRL 1.16's KTOTrainer refuses one)
+    for bs in [r for r in range(s.batch_size - 1, 1 if s.kl_rows else 0, -1) if s.batch_size % r == 0]:
         ladder += long_context_options(replace(plain, batch_size=bs,
                                                grad_accum=max(1, s.grad_accum * s.batch_size // bs)))
     if not s.load_in_4bit:
@@ -150,7 +151,12 @@ def checkpointing_words(checkpointing: bool, every: int) -> str:
 
 
 def describe(s: Settings) -> str:
-    tokens = f"{s.batch_size}x{s.max_length} packed" if s.packing else f"bs {s.batch_size}"
+    if s.packing:
+        tokens = f"{s.batch_size}x{s.max_length} packed"
+    elif s.sequences > 1:  # padded preference pairs: two rows each
+        tokens = f"bs {s.batch_size} pairs ({s.batch_size * s.sequences} padded rows)"
+    else:
+        tokens = f"bs {s.batch_size}"
     long = (", activations offloaded to host" if s.offload else "") + (f", MLP in {s.tiled_mlp}-token tiles"
                                                                        if s.tiled_mlp else "")
     return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}"

@@ -39,13 +39,40 @@ class Settings:
     # long context (issue #27), both only with every layer checkpointed:
     offload: bool = False     # TRL's activation offloading: the checkpointed layer inputs wait in pinned host memory
     tiled_mlp: int = 0        # the MLP runs over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
+    # padded preference batches (TRL 1.16's DPO/ORPO/KTO collators, issue #26; DPO's packed pairs are packed rows):
+    sequences: int = 1        # padded rows per example: 2 for a DPO/ORPO pair (prompt + chosen, prompt + rejected)
+    reference: bool = False   # DPO's/KTO's reference forward over the same rows, under no_grad, while the policy's
+                              # activations are saved (False: ORPO, or precompute_ref_log_probs)
+    kl_rows: bool = False     # KTO's KL batch: B mismatched (prompt, completion) rows through the policy and the
+                              # reference, both under no_grad
+    full_logits: bool = False  # ORPO: the logits of every position (TRL's ORPO trainer has no fused LM head)
 
 
 def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
     """Tokens in the largest micro-batch: packed rows are filled up to max_length; unpacked batches are padded
-    to their longest example, and the data's longest example is in some batch of an epoch."""
-    longest = s.max_length if data is None else min(data.max_tokens, s.max_length)
-    return s.batch_size * (s.max_length if s.packing else longest)
+    to their longest example, and the data's longest example is in some batch of an epoch (padded preference
+    pairs: 2 rows per pair, each as long as the longest sequence)."""
+    return rows(s) * (s.max_length if s.packing else longest_sequence(s, data))
+
+
+def rows(s: Settings) -> int:
+    """Rows of a micro-batch with gradients: batch_size, twice that for padded DPO/ORPO pairs."""
+    return s.batch_size * s.sequences
+
+
+def longest_sequence(s: Settings, data: DataShape | None) -> int:
+    """The longest padded row: the data's longest sequence (prepare's report), else max_length."""
+    return s.max_length if data is None else min(data.max_tokens, s.max_length)
+
+
+def no_grad_forwards(s: Settings, data: DataShape | None) -> list[tuple[int, int]]:
+    """(rows, sequence length) of each forward without gradients of a micro-step: the reference's over the
+    micro-batch's rows, KTO's KL batch (B rows of a prompt and another example's completion: at most twice the
+    longest sequence, and max_length)."""
+    out = [(rows(s), s.max_length if s.packing else longest_sequence(s, data))] if s.reference else []
+    if s.kl_rows:
+        out.append((s.batch_size, min(s.max_length, 2 * longest_sequence(s, data))))
+    return out
 
 
 def weight_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
@@ -105,7 +132,26 @@ def mlp_tokens(s: Settings, tokens: int) -> int:
     sequence axis: of the one flattened row of a padding-free packed batch, of every row of a padded one)."""
     if not s.tiled_mlp:
         return tokens
-    return min(tokens, s.tiled_mlp if s.packing else s.tiled_mlp * s.batch_size)
+    return min(tokens, s.tiled_mlp if s.packing else s.tiled_mlp * rows(s))
+
+
+def no_grad_forward_bytes(shape: Shape, s: Settings, n_rows: int, seq: int, consts: dict[str, Any]) -> float:
+    """The transient of a forward without gradients over n_rows rows of seq tokens (the reference's, KTO's KL
+    rows): nothing is kept for a backward, so at most one layer's tensors are alive at once (with eager attention,
+    its scores)."""
+    a = consts["activations"]
+    ng, tokens = a["no_grad_forward"], n_rows * seq
+    per = ng["h_coef"] * shape.hidden * tokens + ng["i_coef"] * shape.intermediate * mlp_tokens(s, tokens)
+    scores = n_rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
+    return per * s.dtype_bytes / 2 + scores
+
+
+def full_logits_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, Any]) -> float:
+    """ORPO (TRL 1.16's trl.experimental.orpo): the model returns the logits of every position of the 2B rows, and
+    its loss and log-probabilities run on them; the peak holds `copies` logits-sized tensors (the logits, their
+    log-softmax, gradients in flight)."""
+    lm = consts["lm_head"]
+    return lm["full_logits_copies"] * tokens * shape.vocab * s.dtype_bytes + lm["per_valid_token_h_coef"] * shape.hidden * tokens
 
 
 def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, Any]) -> dict[str, float]:
@@ -116,9 +162,9 @@ def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, A
     # the tiled MLP (reprotune.tiled_mlp) keeps no intermediates: a recomputed layer's live for one tile at a time
     recompute = narrow * tokens + wide * mlp_tokens(s, tokens)
     base = a["base_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
-    rows = s.batch_size
-    seq = tokens // max(rows, 1)
-    eager_layer = rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
+    n_rows = rows(s)
+    seq = tokens // max(n_rows, 1)
+    eager_layer = n_rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
     backward = (a["backward_h_coef"] * shape.hidden * tokens
                 + a["backward_i_coef"] * shape.intermediate * mlp_tokens(s, tokens))
     # a recomputed layer frees its MLP's saved tensors as its backward goes: less of both is alive at once
@@ -153,19 +199,28 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
     tokens = micro_batch_tokens(s, data)
     share = data.assistant_share if data else 1.0
     act = activation_bytes(shape, s, tokens, consts)
-    lm = lm_head_bytes(shape, tokens, share, consts)
+    lm = full_logits_bytes(shape, s, tokens, consts) if s.full_logits else lm_head_bytes(shape, tokens, share, consts)
     dequant = p.largest_linear * 2 * consts["weights"]["dequant_temp_layers"] if s.load_in_4bit else 0.0
     static = weight_bytes(p, s, consts) + adapter_bytes(p, s, consts)
     k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     if k == shape.layers:
         # backward: the loss head first, then one layer at a time is recomputed next to the saved layer inputs
-        dynamic = (act["checkpointing"] + max(lm, act["recompute_layer"] + act["recomputed_backward_transient"])
-                   + dequant)
+        saved = act["checkpointing"]
+        dynamic = saved + max(lm, act["recompute_layer"] + act["recomputed_backward_transient"]) + dequant
     elif k == 0:
-        dynamic = act["no_checkpointing"] + lm + act["backward_transient"] + dequant
+        saved = act["no_checkpointing"]
+        dynamic = saved + lm + act["backward_transient"] + dequant
     else:  # every n-th layer keeps its input only; a recomputed layer may meet the loss head's buffers
-        kept = (k * act["checkpointing"] + (shape.layers - k) * act["no_checkpointing"]) / shape.layers
-        dynamic = kept + max(lm, act["recompute_layer"]) + act["backward_transient"] + dequant
+        saved = (k * act["checkpointing"] + (shape.layers - k) * act["no_checkpointing"]) / shape.layers
+        dynamic = saved + max(lm, act["recompute_layer"]) + act["backward_transient"] + dequant
+    # padded preference pairs: the reference forward (and KTO's KL rows through the reference) run under no_grad
+    # after the policy's forward, its activations saved: they add a transient, never saved activations. Without a
+    # reference, KTO's KL rows go through the policy (no_grad) before its forward: nothing saved yet.
+    # (each forward's largest moment: one decoder layer, or its LM head's tiles)
+    no_grad = max([max(no_grad_forward_bytes(shape, s, n, seq, consts), lm_head_bytes(shape, n * seq, share, consts))
+                   for n, seq in no_grad_forwards(s, data)], default=0.0)
+    if no_grad:
+        dynamic = max(dynamic, (saved if s.reference else 0.0) + no_grad + dequant)
     allocated = static + dynamic
     o = consts["overhead"]
     # offloading's copies back to the GPU are allocated on its own stream, whose cached blocks the compute stream
@@ -177,6 +232,7 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
              "activations_checkpointing": act["checkpointing"] + act["recompute_layer"],
              "activations_no_checkpointing": act["no_checkpointing"],
              "backward_transient": act["backward_transient"] + dequant,
+             **({"no_grad_forward_transient": no_grad} if no_grad else {}),
              "logits_loss": lm, "cuda_context": o["cuda_context_gib"] * GIB,
              "allocator_reserve": reserved - allocated}
     return {"tokens_per_micro_batch": tokens, "checkpointing": s.checkpointing, "checkpointed_layers": k,

@@ -16,13 +16,19 @@ from omegaconf import DictConfig
 from reprotune.config import CONF_DIR
 from reprotune.preference import is_preference
 from reprotune.sizing.calibration import measured_run
-from reprotune.sizing.decide import Hardware, RunSettings, card, configured_settings, decide
+from reprotune.sizing.decide import (
+    Hardware,
+    RunSettings,
+    card,
+    configured_settings,
+    decide,
+    preference_padded_on,
+)
 from reprotune.sizing.fit import checkpointing_words, describe, overrides_for
 from reprotune.sizing.memory import GIB, Settings, memory, weight_bytes
 from reprotune.sizing.shape import (
     BUILTIN_TOKENIZER_VOCAB,
     DataShape,
-    PlanError,
     Shape,
     count_params,
     load_data_shape,
@@ -49,6 +55,11 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
         out.append(f"model '{model.name}': the built-in tokenizer has {BUILTIN_TOKENIZER_VOCAB:,} ids but the model's "
                    f"vocab_size is {vocab:,}: make train stops (give it a tokenizer of at most {vocab:,} ids)")
     if data is None:
+        if is_preference(cfg):  # a preference run's rows are in paths.pairs
+            out.append(f"{cfg.paths.pairs}: no prepared pairs (run make prepare ARGS=\"objective="
+                       f"{cfg.objective.name}\"); memory assumes the longest rows max_length allows, and no time or cost "
+                       "without token counts")
+            return out
         out.append(f"{cfg.paths.prepared}: no prepared data (run make prepare); memory assumes full-length "
                    "examples, and no time or cost without token counts")
         return out
@@ -130,14 +141,10 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
     """The whole plan as a JSON-able dict, for `hw` (make train's preflight: this GPU; make plan: the largest card,
     the H200). shape: as reprotune.sizing.decide.decide takes it; run: decide's answer when already known."""
     described = hw or card("H200")
-    if is_preference(cfg) and not decide(cfg, described, shape, None).packing:  # padded pairs: not modelled
-        raise PlanError(f"objective={cfg.objective.name}: memory of padded preference pairs is not modelled (two "
-                        "padded sequences per pair plus a reference forward; uncalibrated); the plan models DPO "
-                        "on packed pairs (the GPU default)")
     tables = load_tables()
     consts = tables["memory"]
     shape = shape or model_shape(cfg.model)
-    data = load_data_shape(cfg)
+    data = load_data_shape(cfg, padded=preference_padded_on(cfg, described))  # rows as the run will batch them
     run = run or decide(cfg, described, shape, data)
     s, mem, budget = run.planned, run.predicted, run.budget_bytes
     base = configured_settings(cfg, described)
@@ -177,7 +184,9 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"  settings: {s['method']}, checkpointing {checkpointing_words(s['checkpointing'], s['ckpt_every'])} "
              f"(hardware.gradient_checkpointing={s['gradient_checkpointing_setting']}, budget {s['budget_gib']} GiB), "
              f"{'packed ' if s['packing'] else ''}micro-batch {mem['tokens_per_micro_batch']} tokens "
-             f"(bs {s['batch_size']}, max_length {s['max_length']})"
+             + (f"(bs {s['batch_size']} pairs = {s['batch_size'] * s['sequences']} padded rows, max_length "
+                f"{s['max_length']})" if s.get("sequences", 1) > 1 else
+                f"(bs {s['batch_size']}, max_length {s['max_length']})")
              + (", activations offloaded to host" if s.get("offload") else "")
              + (f", MLP in {s['tiled_mlp']}-token tiles" if s.get("tiled_mlp") else ""),
              f"  predicted peak GPU memory: {mem['peak_gib']} GiB allocated, {mem['reserved_gib']} GiB reserved, "
@@ -187,6 +196,8 @@ def format_plan(plan: dict[str, Any]) -> str:
              *[f"    {k.replace('_', ' '):32s} {v:8.2f} GiB" for k, v in mem["parts_gib"].items()],
              f"    (checkpointing {'off' if s['checkpointing'] else 'on'} instead: "
              f"{plan['memory_other_checkpointing']['peak_gib']} GiB)",
+             # padded preference pairs: what the model counts, and that no GPU measurement checks it yet
+             *[f"  {r.removeprefix('plan: ')}" for r in plan.get("reasons", []) if r.startswith("plan: padded pairs:")],
              "  fits:"]
     for size, row in plan["fit"].items():
         other = f"; fits with {' '.join(row['overrides'])}" if row.get("fits_with") else ""

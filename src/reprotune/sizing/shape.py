@@ -190,15 +190,45 @@ def pair_shape_from_prepared(prepared: Path | str) -> dict[str, Any] | None:
             "overlong": int(report["pairs"]["overlong"]["dropped"]), "source": str(prepared)}
 
 
-def load_data_shape(cfg: DictConfig) -> DataShape | None:
-    """The prepared training data's shape: conversations, or (a preference objective) packed pairs."""
-    from reprotune.preference import is_preference
+def padded_shape_from_prepared(prepared: Path | str, objective: str) -> dict[str, Any] | None:
+    """Prepared preference rows as TRL 1.16's padded batches see them (ORPO, KTO, DPO unpacked): every sequence a
+    row (a pair: prompt + chosen and prompt + rejected), padded to the longest of its micro-batch. From prepare's
+    report: the longest sequence of each pair (tokens.train). examples: what the trainer iterates (KTO unpairs a
+    pair into two examples); total_tokens: every sequence counted as long as its pair's longest (a bound, as the
+    loss positions' share is: the answers over the packed pair's tokens). None: no counts (prepare them again)."""
+    prepared = Path(prepared)
+    report = json.loads((prepared / "report.json").read_text())
+    tokens = report["tokens"]
+    seqs = tokens.get("train")
+    if not seqs or not seqs.get("n") or not tokens.get("longest_sequence_of_pair"):
+        return None
+    paired = (report.get("pairs") or {}).get("paired")
+    if paired is None:  # reports written before prepare recorded it: the rows say
+        with open(prepared / "train.jsonl", encoding="utf-8") as fh:
+            paired = "chosen" in json.loads(fh.readline())
+    per_row = 2 if paired else 1  # sequences of a prepared row
+    return {"examples": int(seqs["n"]) * (per_row if objective == "kto" else 1), "max_tokens": int(seqs["max"]),
+            "mean_tokens": float(seqs["mean"]), "total_tokens": per_row * int(seqs["total"]),
+            "assistant_share": float(tokens.get("answer_share_train", 1.0)),
+            "prepared_max_length": report.get("max_length"), "tokenizer_model": tokens.get("model"),
+            "overlong": int(((report.get("pairs") or {}).get("overlong") or {}).get("dropped", 0)),
+            "source": str(prepared)}
+
+
+def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | None:
+    """The prepared training data's shape: conversations, or (a preference objective) packed pairs, or with
+    `padded` the padded rows of TRL's preference trainers (None: DPO with train.packing other than false is
+    packed, as on the GPU; ORPO, KTO and unpacked DPO are padded)."""
+    from reprotune.preference import is_preference, objective_name
 
     # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
     prepared = Path(cfg.paths.pairs if is_preference(cfg) and cfg.paths.get("pairs") else cfg.paths.prepared)
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
     if is_preference(cfg):
-        found = pair_shape_from_prepared(prepared)
+        name = objective_name(cfg)
+        if padded is None:
+            padded = name != "dpo" or cfg.train.get("packing") is False
+        found = padded_shape_from_prepared(prepared, name) if padded else pair_shape_from_prepared(prepared)
         return DataShape(**found) if found else None
     return DataShape(**data_shape_from_prepared(prepared))

@@ -33,14 +33,21 @@ class MicroStep:
 def micro_step(s: Settings, data: DataShape | None) -> MicroStep:
     """Tokens of a typical micro-step. Unpacked rows are padded to the micro-batch's longest example: its
     expected length assumes lengths spread evenly between (2 mean - max) and max (only mean and max are known)."""
+    rows = s.batch_size * s.sequences  # padded preference pairs: two rows a pair
     if data is None:
-        return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, s.max_length / 2)
+        return MicroStep(rows * s.max_length, rows * s.max_length, s.max_length / 2)
     mean, longest = min(data.mean_tokens, s.max_length), min(data.max_tokens, s.max_length)
     if s.packing:
         return MicroStep(s.batch_size * s.max_length, s.batch_size * s.max_length, mean)
     shortest = max(1.0, 2 * mean - longest)
-    padded = shortest + (longest - shortest) * s.batch_size / (s.batch_size + 1)
-    return MicroStep(s.batch_size * mean, s.batch_size * padded, padded)
+    padded = shortest + (longest - shortest) * rows / (rows + 1)
+    return MicroStep(rows * mean, rows * padded, padded)
+
+
+def no_grad_passes(s: Settings) -> int:
+    """Forwards without gradients per micro-step, each about as many tokens as the micro-batch (padded preference
+    pairs: DPO's and KTO's reference; KTO's KL batch through the policy, and the reference)."""
+    return int(s.reference) + (1 + int(s.reference) if s.kl_rows else 0)
 
 
 def code_path(s: Settings) -> str:
@@ -66,14 +73,16 @@ class StepWork:
 def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
     k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     step = micro_step(s, data)
-    config, recompute = as_model_config(shape), k / shape.layers
+    config, extra = as_model_config(shape), no_grad_passes(s)
+    recompute = k / shape.layers + extra  # a forward without gradients costs what a recomputed forward does
     flops = speed.lora_step_flops_per_token(config, step.context, recompute, tiled_mlp=bool(s.tiled_mlp))
     attention = (3 + recompute) * speed.attention_flops_per_token(config, step.context)
     offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
-    sequence = step.computed if s.packing else step.computed / s.batch_size  # the tiles split the sequence axis
+    sequence = step.computed if s.packing else step.computed / (s.batch_size * s.sequences)  # tiles split it
     tiles = 2 * shape.layers * math.ceil(sequence / s.tiled_mlp) if s.tiled_mlp and sequence > s.tiled_mlp else 0
     return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, attention_flops=attention, step=step,
-                    layer_passes=2 * shape.layers + k, recomputed=k, offloaded_bytes=offloaded, mlp_tiles=tiles)
+                    layer_passes=(2 + extra) * shape.layers + k, recomputed=k, offloaded_bytes=offloaded,
+                    mlp_tiles=tiles)
 
 
 def overhead_terms(w: StepWork) -> dict[str, float]:
