@@ -163,10 +163,11 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str], 
            f"model={model}", f"method={method}",
            f"paths.root={root}", "hardware=gpu", "data.max_length=2048", f"train.max_steps={steps}",
            "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=4",
-           "train.learning_rate=5e-5", "objective.beta=0.1", "objective.loss_type=[sigmoid]",
-           # the objective group's own max_steps/learning_rate win over train.* (the built-in demo's): the bench's
-           f"objective.max_steps={steps}", "objective.learning_rate=5e-5", "train.logging_steps=1", "train.save_steps=100000",
-           "train.run.resume=never", *overrides]
+           "train.learning_rate=5e-5", "objective.beta=0.1",
+           # the objective group's own max_steps/learning_rate win over train.* (dpo.yaml's are the built-in demo's)
+           f"++objective.max_steps={steps}", "++objective.learning_rate=5e-5",
+           *(["objective.loss_type=[sigmoid]"] if objective == "dpo" else []),
+           "train.logging_steps=1", "train.save_steps=100000", "train.run.resume=never", *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     manifest = json.loads((root / "outputs/pref/train/manifest.json").read_text())
