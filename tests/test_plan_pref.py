@@ -226,10 +226,10 @@ def test_preflight_fits_a_padded_run_to_its_budget(tmp_path: Path) -> None:
     write_pairs(tmp_path, longest=700)
     batch = ("objective=orpo", "train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2")
     roomy, tight, tighter = (planned(tmp_path, *batch, *budget) for budget in
-                             ((), ("hardware.memory_budget_gib=30",), ("hardware.memory_budget_gib=20",)))
+                             ((), ("hardware.memory_budget_gib=48",), ("hardware.memory_budget_gib=36",)))
     assert not roomy.activation_checkpointing and tight.activation_checkpointing
     assert tighter.per_device_train_batch_size < tight.per_device_train_batch_size == 8
-    for run, budget in ((tight, 30), (tighter, 20)):
+    for run, budget in ((tight, 48), (tighter, 36)):
         assert run.predicted["card_gib"] + 0.5 <= budget < roomy.predicted["card_gib"]
     for run in (roomy, tight, tighter):
         assert run.per_device_train_batch_size * run.gradient_accumulation_steps == 16
