@@ -171,7 +171,7 @@ def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_pat
     assert one["run_settings"]["attn_implementation"] == ("pair_dense" if packing else None)
     assert one["outputs"]["adapter"]["sha256"] == two["outputs"]["adapter"]["sha256"]
     assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.1,
-                                "loss_type": ["sigmoid"], "init_adapter": None}
+                                "loss_type": ["sigmoid", "sft"], "init_adapter": None}
     assert one["inputs"]["train_data"]["sha256"]
     metrics = json.loads((tmp_path / "one/outputs/pref/train/metrics.json").read_text())
     assert metrics["global_step"] == 2 and metrics["assistant_tokens"] > 0
