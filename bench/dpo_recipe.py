@@ -166,7 +166,7 @@ def ours(model: str, method: str, root: Path, steps: int, overrides: list[str], 
            "train.learning_rate=5e-5", "objective.beta=0.1",
            # the objective group's own max_steps/learning_rate win over train.* (dpo.yaml's are the built-in demo's)
            f"++objective.max_steps={steps}", "++objective.learning_rate=5e-5",
-           *(["objective.loss_type=[sigmoid]"] if objective == "dpo" else []),
+           *(["objective.loss_type=[sigmoid]", "objective.loss_weights=null"] if objective == "dpo" else []),
            "train.logging_steps=1", "train.save_steps=100000", "train.run.resume=never", *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
