@@ -68,7 +68,7 @@ def test_padded_preference_runs_are_planned_not_refused(over: tuple[str, ...], t
     assert plan["data"]["max_tokens"] == 700  # the prepared rows' longest sequence, not the packed pair (1100)
     assert plan["run"]["steps"] > 0 and plan["time_and_cost"][0]["tokens_per_second"] > 0
     said = [r for r in plan["reasons"] if "padded pairs:" in r]
-    assert len(said) == 1 and said[0].endswith("not calibrated on a GPU"), plan["reasons"]
+    assert len(said) == 1 and said[0].endswith("(conf/plan/calibration.json)"), plan["reasons"]
     assert "padded pairs:" in sz_report.format_plan(plan)
     assert all(row["setting"] for row in plan["fit"].values() if row["gpu"] == "H200")
     json.dumps(plan)

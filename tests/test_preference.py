@@ -384,7 +384,7 @@ def test_make_plan_plans_packed_dpo_and_padded_pairs(tmp_path: Path) -> None:
     assert json.dumps(plan) and plan["settings"]["packing"]  # the whole plan, JSON-able
     kto = make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=kto"]))
     assert not kto["settings"]["packing"] and kto["memory"]["peak_gib"] > 0
-    assert any("not calibrated on a GPU" in r for r in kto["reasons"])
+    assert any("held to one H200 run each" in r for r in kto["reasons"])
 
 
 # ------------------------------------------------------------------------- eval of text pairs and KTO rows

@@ -262,7 +262,7 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
     if s.full_logits:
         extra.append("the logits of every position (TRL's ORPO has no fused LM head)")
     return (f"padded pairs: {objective_name(cfg)} modelled as {rows} with gradients; {'; '.join(extra)}; "
-            "not calibrated on a GPU")
+            "held to one H200 run each of 8B LoRA ORPO and KTO (conf/plan/calibration.json)")
 
 
 def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "prepared") -> Settings:
