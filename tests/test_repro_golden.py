@@ -88,10 +88,11 @@ def levels_this_cpu_runs() -> list[str]:
     return levels
 
 
-def child_run(root: Path, env: dict[str, str], *overrides: str) -> dict:
-    """The golden run as `make train` runs it (its own process, its own torch import) with env added."""
+def child_run(root: Path, env: dict[str, str], *overrides: str, launcher: tuple[str, ...] = ()) -> dict:
+    """The golden run as `make train` runs it (its own process, its own torch import) with env added; launcher:
+    a command the interpreter runs under (an emulated CPU)."""
     _workspace(root)
-    cmd = [sys.executable, "-m", "reprotune.train", *RUN, f"paths.root={root}", *overrides]
+    cmd = [*launcher, sys.executable, "-m", "reprotune.train", *RUN, f"paths.root={root}", *overrides]
     clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS",
                                                               "REPROTUNE_CPU_KERNELS", "REPROTUNE_USER_CPU_ENV",
                                                               "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
@@ -99,7 +100,8 @@ def child_run(root: Path, env: dict[str, str], *overrides: str) -> dict:
     proc = subprocess.run(cmd, env={**clean, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((root / "outputs/train/manifest.json").read_text())
-    return {**_summary(root, record), "threads": record["hardware"]["torch_threads"], "stderr": proc.stderr}
+    return {**_summary(root, record), "threads": record["hardware"]["torch_threads"], "stderr": proc.stderr,
+            "optim": record["run_settings"]["optim"]}
 
 
 @pytest.mark.slow
@@ -109,13 +111,15 @@ def test_golden_bytes_under_every_kernel_level_and_thread_count(tmp_path: Path) 
     (hardware.cpu_kernels=native keeps the user's level: the recorded capability is the forced one)."""
     ref = json.loads(REFERENCE.read_text())
     levels = levels_this_cpu_runs()
+    # HF_HUB_OFFLINE: transformers writes it into tokenizer_config.json (local_files_only) unless reprotune drops it
     cases = [({"ATEN_CPU_CAPABILITY": level, "OMP_NUM_THREADS": str(1 + i % 2)}) for i, level in
-             enumerate(levels)] + [{"OMP_NUM_THREADS": "2" if len(levels) % 2 else "1"}]
+             enumerate(levels)] + [{"OMP_NUM_THREADS": "2" if len(levels) % 2 else "1", "HF_HUB_OFFLINE": "0"}]
     for i, env in enumerate(cases):
         got = child_run(tmp_path / f"pinned-{i}", env)
         where = f"with {env} on {got['cpu']!r}"
         assert got["threads"] == PINNED_THREADS, where  # OMP_NUM_THREADS does not change the pinned count
         assert got["cpu_kernels"]["capability"] == "AVX2", where
+        assert got["optim"] == "adamw_torch_fused", where
         assert got["loss"] == ref["loss"], f"per-step loss moved {where}: {got['loss']} vs {ref['loss']}"
         assert got["adapter_sha256"] == ref["adapter_sha256"], f"adapter bytes moved {where}"
         if env.get("ATEN_CPU_CAPABILITY", "avx2") != "avx2":

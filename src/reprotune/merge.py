@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import read_conversations, swap_dir, tmp_path
-from reprotune.models import load_float32, load_tokenizer, resolve_model_dir
+from reprotune.models import load_float32, load_tokenizer, resolve_model_dir, save_tokenizer
 from reprotune.preference import is_preference, route_paths
 from reprotune.preference.pair_eval import export_conversations
 
@@ -164,7 +164,7 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     merged.to(getattr(torch, dtype))
     with needs_bytes(tensor_bytes(merged.state_dict().values())):  # a full disk says how much the model needed
         merged.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json and chat_template.jinja
+    save_tokenizer(tokenizer, tmp)  # tokenizer.json, tokenizer_config.json and chat_template.jinja
     write_generation_config(merged, tokenizer, tmp)
     save_seconds = time.time() - t0
     del peft_model, merged

@@ -342,6 +342,25 @@ def load_tokenizer(path: str | Path, model_cfg: Any | None = None) -> Any:
     return tokenizer
 
 
+# transformers 5 writes how the tokenizer was loaded into tokenizer_config.json: local_files_only follows
+# HF_HUB_OFFLINE, is_local whether the source was a folder. Neither says what the tokenizer is, and both would move
+# an adapter's bytes with the environment it was trained in (the test suite sets HF_HUB_OFFLINE, make train does
+# not).
+LOAD_STATE_KEYS = ("is_local", "local_files_only")
+
+
+def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
+    """tokenizer.save_pretrained(folder) without the load-state keys (the same bytes however it was loaded)."""
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if any(key in config for key in LOAD_STATE_KEYS):
+        for key in LOAD_STATE_KEYS:
+            config.pop(key, None)
+        # transformers' own formatting of the file
+        path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None) -> Any:
     """The base model to train or evaluate: in `dtype`, or quantised by bitsandbytes (method.quantization: QLoRA).
     attn_implementation: reprotune.runtime.attention's choice (None: the library's)."""

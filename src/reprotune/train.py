@@ -247,14 +247,14 @@ def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_te
     final = Path(cfg.paths.adapter)
     tmp = tmp_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
-    from reprotune.models import base_identity
+    from reprotune.models import base_identity, save_tokenizer
 
     save_adapter_weights(trainer.model, tmp, state_dict)
     canonicalise_adapter_config(tmp, base_identity(cfg.model))
     # Ship the model's own chat template (same rendering as the training one, without the loss markers,
     # which inference engines such as llama.cpp do not understand).
     tokenizer.chat_template = original_template
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)
     write_model_card(tmp, cfg, metrics)
     swap_dir(tmp, final)
     return final

@@ -44,6 +44,7 @@ def guarantee_keys(cfg: DictConfig, run: RunSettings, keys: dict[str, Any], has_
         seed=int(cfg.seed),
         data_seed=int(cfg.seed),
         use_cpu=run.device == "cpu",
+        optim=run.optim,
         # TRL's preference configs default bf16 to True: precision is the hardware group's, always said here
         bf16=run.dtype == "bfloat16",
         fp16=run.dtype == "float16",

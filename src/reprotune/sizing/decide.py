@@ -100,6 +100,7 @@ class RunSettings:
     attn_implementation: str | None  # None: the model's default (SDPA)
     liger: bool
     fused_lora: bool                 # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
+    optim: str                       # transformers' optimizer name (train.optim, or its CPU replacement)
     dynamic_shapes: bool             # torch.compile traces symbolic sequence lengths from the first call
     activation_checkpointing: bool
     checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
@@ -169,7 +170,27 @@ class _Paths:
     attn: str | None
     liger: bool
     fused: bool
+    optim: str
     reasons: tuple[str, ...]
+
+
+# transformers' per-tensor AdamW takes the square root of its second moment from torch.sqrt, which on a CPU is MKL's
+# vector math (VML): not correctly rounded, and its last bit moves with the CPU it runs on (measured: the same run
+# gave other adapter bytes on an Intel Xeon, an AMD EPYC with AVX2 only and one with AVX-512, all pinned;
+# docs/reproducibility.md). The fused AdamW kernel takes it from the CPU's own square-root instruction, which IEEE
+# 754 fixes to the correctly rounded result on every x86-64 and aarch64 CPU.
+CPU_OPTIMIZER = {"adamw_torch": "adamw_torch_fused"}
+
+
+def optimizer(cfg: DictConfig, device: str) -> tuple[str, str | None]:
+    """train.optim as the run uses it, and the reason when it is not the configured one: on a CPU, the fused
+    AdamW in place of the per-tensor one (same update rule; its bytes the same on every CPU)."""
+    configured = str(cfg.train.get("optim") or "adamw_torch")
+    if device == "cpu" and configured in CPU_OPTIMIZER:
+        fused = CPU_OPTIMIZER[configured]
+        return fused, (f"optimizer {fused} (train.optim={configured} on a CPU: its square roots are MKL's vector "
+                       "math, whose last bit moves with the CPU; the fused kernel's are IEEE's)")
+    return configured, None
 
 
 def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
@@ -197,8 +218,11 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     fused = fast and cuda if _auto(h.get("fused_lora", "auto")) else bool(h.fused_lora)
     if fused:
         reasons.append("LoRA scale and add fused into B's matrix product")
+    optim, why = optimizer(cfg, hw.device)
+    if why:
+        reasons.append(why)
     return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), fused=fused,
-                  reasons=tuple(reasons))
+                  optim=optim, reasons=tuple(reasons))
 
 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
@@ -368,7 +392,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     strategy = distributed.strategy(cfg, hw.world_size)
     process_accum, batch_line = distributed.global_batch(cfg, rows, accum, hw.world_size)
     return RunSettings(method=str(cfg.method.name), device=hw.device, dtype=p.dtype, packing=p.packing,
-                       attn_implementation=p.attn, liger=p.liger, fused_lora=p.fused,
+                       attn_implementation=p.attn, liger=p.liger, fused_lora=p.fused, optim=p.optim,
                        dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
                        checkpoint_every_n_layers=every if ckpt else 1, activation_offloading=bool(offload),
                        tiled_mlp_tokens=tile, per_device_train_batch_size=rows,
