@@ -126,9 +126,59 @@ def test_openai_preference_jsonl_keeps_the_system_prompt(tmp_path: Path) -> None
     assert all([m["role"] for m in r["prompt"]] == ["system", "user"] for r in rows)
 
 
-@pytest.mark.parametrize("name", ["llamafactory_dpo_en_demo.json", "hh_rlhf_harmless_base_test.jsonl"])
-def test_the_default_max_length_drops_long_real_pairs_and_says_how_many(tmp_path: Path, name: str) -> None:
-    _, _, report = prepared(tmp_path, REAL / name)  # data.max_length=512, the built-in task's
+# Stack-Exchange-paired names, as docs/preference.md gives them (++: the default mapping is empty, so Hydra adds)
+SE_KEYS = "++data.preference.keys={prompt:question,chosen:response_j,rejected:response_k}"
+
+
+def test_stack_exchange_paired_through_the_key_mapping_keeps_every_text(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "torchtune_stack_exchange_paired_tiny.json", SE_KEYS)
+    assert counts(report) == (25, 0, 0, 4, 21, 0) and report["inputs"][0]["format"] == "trl"
+    src = source("torchtune_stack_exchange_paired_tiny.json")
+    expected = [{"prompt": r["question"], "chosen": r["response_j"], "rejected": r["response_k"]} for r in src]
+    assert {key(r) for r in rows} <= {key(e) for e in expected} and len(rows) == 21  # text pairs, unchanged
+    assert len({r["question"] for r in src}) == 8  # several pairs per question, as in the source
+    longest = max(src, key=lambda r: len(r["response_j"]))  # record 2: a 9,196-character answer, over 2048 tokens
+    assert len(longest["response_j"]) == 9196 and not any(r["chosen"] == longest["response_j"] for r in rows)
+
+
+def test_ultrafeedback_binarized_rows_are_read_as_trl_implicit_prompt_conversations(tmp_path: Path) -> None:
+    rows, report = run(tmp_path, "firefly_ultrafeedback_binarized_dummy_dpo.jsonl")
+    # read as preference pairs (TRL's layout), not as the SFT conversations its "messages" key also holds
+    assert counts(report) == (16, 0, 0, 0, 15, 1) and report["inputs"][0]["format"] == "trl"
+    expected = []
+    for r in source("firefly_ultrafeedback_binarized_dummy_dpo.jsonl"):
+        user = {"role": "user", "content": r["prompt"]}  # the text prompt is the shared first turn of both
+        assert r["chosen"][0] == r["rejected"][0] == user and r["messages"] == r["chosen"]
+        assert [m["role"] for m in r["chosen"]] == [m["role"] for m in r["rejected"]] == ["user", "assistant"]
+        expected.append({"prompt": [user], "chosen": r["chosen"][1:], "rejected": r["rejected"][1:]})
+    assert sorted(key(r) for r in rows) == sorted(key(e) for e in expected)  # all 16, each its source record
+    french = next(r for r in rows if r["prompt"][0]["content"].startswith("Given a sentence in French"))
+    assert "Brondyffryn" in french["prompt"][0]["content"] and french["chosen"][0]["content"].startswith("Crockett")
+
+
+def test_a_text_prompt_that_the_conversations_do_not_hold_is_one_line() -> None:
+    from reprotune.errors import ReprotuneError
+    from reprotune.preference.formats import read_record
+
+    rec = source("firefly_ultrafeedback_binarized_dummy_dpo.jsonl")[0]
+    assert read_record(rec, "auto", {}, "f.jsonl", 1).row["prompt"] == [{"role": "user", "content": rec["prompt"]}]
+    with pytest.raises(ReprotuneError, match=r"^f.jsonl:1: prompt: is not a user turn of the conversation"):
+        read_record({**rec, "prompt": "another question"}, "auto", {}, "f.jsonl", 1)
+    answer_only = {"prompt": "Hi?", "chosen": [{"role": "assistant", "content": "Hello."}],
+                   "rejected": [{"role": "assistant", "content": "Go away."}]}
+    with pytest.raises(ReprotuneError, match=r"mixes text and message lists"):  # as before: no user turn to match
+        read_record(answer_only, "auto", {}, "f.jsonl", 2)
+
+
+@pytest.mark.parametrize(("name", "over"), [("llamafactory_dpo_en_demo.json", ()),
+                                            ("hh_rlhf_harmless_base_test.jsonl", ()),
+                                            ("firefly_ultrafeedback_binarized_dummy_dpo.jsonl", ()),
+                                            ("torchtune_stack_exchange_paired_tiny.json", (SE_KEYS,))])
+def test_the_default_max_length_drops_long_real_pairs_and_says_how_many(tmp_path: Path, name: str,
+                                                                          over: tuple[str, ...]) -> None:
+    _, _, report = prepared(tmp_path, REAL / name, *over)  # data.max_length=512, the built-in task's
     dropped = report["pairs"]["overlong"]["dropped"]
-    assert dropped == {"llamafactory_dpo_en_demo.json": 32, "hh_rlhf_harmless_base_test.jsonl": 3}[name]
+    assert dropped == {"llamafactory_dpo_en_demo.json": 32, "hh_rlhf_harmless_base_test.jsonl": 3,
+                       "firefly_ultrafeedback_binarized_dummy_dpo.jsonl": 9,
+                       "torchtune_stack_exchange_paired_tiny.json": 21}[name]
     assert report["pairs"]["train"] + report["pairs"]["holdout"] + dropped == report["pairs"]["read"]

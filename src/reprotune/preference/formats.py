@@ -8,7 +8,8 @@ Canonical rows (what data/prepared/{train,holdout}.jsonl hold for objective=dpo|
 Formats read (auto-detected per record from its keys; data.format names one to insist on):
     trl           prompt + chosen + rejected (explicit prompt), or chosen + rejected alone (implicit prompt: the
                   shared leading turns, or for text the shared leading characters, are the prompt; TRL's
-                  extract_prompt), conversational or standard
+                  extract_prompt), conversational or standard; a text prompt beside conversations that contain it
+                  (UltraFeedback binarized) is read as the implicit prompt, as TRL's maybe_extract_prompt does
     openai        input {messages, ...} + preferred_output + non_preferred_output (OpenAI preference fine-tuning)
     sharegpt_pairwise  conversations [{from, value}] + chosen {from, value} + rejected {from, value}, optional
                   system (LLaMA-Factory)
@@ -142,7 +143,7 @@ def from_trl(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def trl_row(rec: dict[str, Any]) -> dict[str, Any]:
-    if "prompt" in rec:
+    if "prompt" in rec and not text_prompt_with_conversations(rec):
         prompt = text(rec["prompt"], "prompt") if isinstance(rec["prompt"], str) else messages(rec["prompt"], "prompt")
         return same_kind({"prompt": prompt, "chosen": answer(rec["chosen"], "chosen"),
                           "rejected": answer(rec["rejected"], "rejected")})
@@ -158,7 +159,19 @@ def trl_row(rec: dict[str, Any]) -> dict[str, Any]:
         raise FormatError("chosen", "implicit prompt: chosen and rejected share no leading turns (no prompt)")
     if not row["chosen"] or not row["rejected"]:
         raise FormatError("rejected", "implicit prompt: chosen and rejected are the same conversation")
+    if "prompt" in rec and not any(m["role"] == "user" and m["content"] == rec["prompt"] for m in row["prompt"]):
+        raise FormatError("prompt", "is not a user turn of the conversation that chosen and rejected share")
     return row
+
+
+def text_prompt_with_conversations(rec: dict[str, Any]) -> bool:
+    """A text prompt beside chosen/rejected conversations that hold it (HuggingFaceH4/ultrafeedback_binarized's
+    layout: prompt = the user's question, chosen/rejected = the whole conversations): TRL's maybe_extract_prompt
+    then takes the implicit prompt from the conversations, and so does this reader; the text prompt must be one of
+    the shared prompt's user turns, so nothing of it is lost."""
+    chosen, rejected = rec.get("chosen"), rec.get("rejected")
+    return (isinstance(rec["prompt"], str) and isinstance(chosen, list) and isinstance(rejected, list)
+            and any(isinstance(m, dict) and m.get("role") == "user" for m in chosen))
 
 
 def whole_words(row: dict[str, str]) -> dict[str, str]:

@@ -68,7 +68,8 @@ def derived_pairs(cfg: DictConfig, rejected_by: str) -> list[PairRecord]:
 
 
 def holds_conversations(path: Path) -> bool:
-    """The file's first record is an SFT conversation (messages, no KTO label): pairs are derived from it."""
+    """The file's first record is an SFT conversation (messages, no KTO label, no chosen/rejected: UltraFeedback
+    binarized rows carry the chosen conversation as messages too): pairs are derived from it."""
     if not path.is_file():
         return False
     if path.suffix == ".json":  # a JSON list (LLaMA-Factory's .json files are indented: not one record a line)
@@ -76,7 +77,8 @@ def holds_conversations(path: Path) -> bool:
         first = records[0][1] if records else None
     else:
         first = next(iter_jsonl(path), (0, None))[1]
-    return isinstance(first, dict) and "messages" in first and "label" not in first
+    return (isinstance(first, dict) and "messages" in first and "label" not in first
+            and not {"chosen", "rejected"} & set(first))
 
 
 def read_records(cfg: DictConfig) -> tuple[list[PairRecord], list[dict], list[str]]:
