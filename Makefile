@@ -85,7 +85,7 @@ test: venv data ## The fast lane (<= 3 min on 2 cores): unit + fast integration 
 
 .PHONY: test-all
 test-all: venv data llama-cpp ## The whole suite (what .ci/run runs): + llama.cpp export, DVC pipelines, images, resumes
-	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) --durations=30 $(PYTEST_ARGS)
 
 .PHONY: test-smoke
 test-smoke: venv data ## A short train on the tiny random model (seconds)

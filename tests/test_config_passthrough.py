@@ -25,15 +25,29 @@ def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
     cfg = compose([f"paths.root={tmp_path}", "+train.label_smoothing_factor=0.1", "train.learning_rate=3e-4"])
     args = sft_config(cfg, decide(cfg, Hardware("cpu"), None, None), has_val=False)
     # reprotune sets these itself (where checkpoints go and how they rotate, the validation split, privacy;
-    # batch shape and packing fitted by reprotune.speed)
+    # batch shape and packing fitted by reprotune.speed; a CPU run's AdamW, below)
     overridden = {"save_total_limit", "eval_steps", "report_to", "packing", "per_device_train_batch_size",
-                  "gradient_accumulation_steps"}
+                  "gradient_accumulation_steps", "optim"}
     passed = library_keys(cfg.train, TRAIN_OWN)
     assert passed["label_smoothing_factor"] == 0.1  # a key conf/ does not list, added on the command line
     for key, value in passed.items():
         if key not in overridden:
             assert getattr(args, key) == value, key
     assert args.learning_rate == 3e-4 and args.save_total_limit is None and args.report_to in ([], "none", None)
+
+
+def test_a_cpu_run_takes_the_fused_adamw_and_a_gpu_run_the_configured_optimizer(tmp_path: Path) -> None:
+    """The per-tensor AdamW's torch.sqrt moves with the CPU maker (docs/reproducibility.md): a CPU run swaps it for
+    the fused kernel, with the reason; a GPU run and any other optimizer keep train.optim."""
+    cfg = compose([f"paths.root={tmp_path}"])
+    assert cfg.train.optim == "adamw_torch"
+    cpu = decide(cfg, Hardware("cpu"), None, None)
+    assert sft_config(cfg, cpu, has_val=False).optim == "adamw_torch_fused" == cpu.optim
+    assert any(r.startswith("optimizer adamw_torch_fused (train.optim=adamw_torch on a CPU") for r in cpu.reasons)
+    gpu = decide(cfg, Hardware("cuda", free_bytes=80 * 2**30), None, None)
+    assert gpu.optim == "adamw_torch" and not any(r.startswith("optimizer ") for r in gpu.reasons)
+    sgd = compose([f"paths.root={tmp_path}", "train.optim=sgd"])
+    assert sft_config(sgd, decide(sgd, Hardware("cpu"), None, None), has_val=False).optim == "sgd"
 
 
 def test_fitted_partial_checkpointing_reaches_sftconfig(tmp_path: Path) -> None:
