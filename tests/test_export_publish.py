@@ -70,3 +70,49 @@ def test_make_publish_exits_nonzero_without_traceback(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "publish: refusing to publish: data 'invoices' is marked private (data.private=true). "
         "Adapters trained on private data stay local."]
+
+
+def fake_preference_adapter(root: Path, sft_private: bool | None, start_sha: str = "abc123") -> None:
+    """outputs/pref/adapter trained (not on private data) from the SFT adapter of sha256 start_sha; the SFT run's
+    record (outputs/train/manifest.json) made an adapter of sha256 abc123 on data private or not (None: no record)."""
+    adapter = root / "outputs/pref/adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    (root / "outputs/pref/train").mkdir(parents=True)
+    (root / "outputs/pref/train/manifest.json").write_text(json.dumps(
+        {"config": {"data": {"name": "invoices", "private": False}},
+         "objective": {"name": "dpo", "init_adapter": {"path": "outputs/adapter", "sha256": start_sha}}}))
+    if sft_private is not None:
+        (root / "outputs/train").mkdir(parents=True)
+        (root / "outputs/train/manifest.json").write_text(json.dumps(
+            {"config": {"data": {"name": "invoices", "private": sft_private}},
+             "outputs": {"adapter": {"sha256": "abc123"}}}))
+
+
+def test_a_preference_adapter_is_refused_when_its_start_adapter_learnt_private_data(tmp_path: Path) -> None:
+    fake_preference_adapter(tmp_path, sft_private=True)
+    cfg = compose([f"paths.root={tmp_path}", "objective=dpo", "data.private=false", "export.publish.repo_id=me/x"])
+    with pytest.raises(ReprotuneError, match=r"the adapter it started from was trained on private data "
+                                             r"\(.*outputs/train/manifest.json: data 'invoices' private=true\)"):
+        publish(cfg)
+
+
+@pytest.mark.parametrize("case", ["no SFT record", "another adapter's record"])
+def test_a_preference_adapter_whose_start_adapter_has_no_record_is_refused(tmp_path: Path, case: str) -> None:
+    if case == "no SFT record":
+        fake_preference_adapter(tmp_path, sft_private=None)
+    else:
+        fake_preference_adapter(tmp_path, sft_private=False, start_sha="def456")
+    cfg = compose([f"paths.root={tmp_path}", "objective=dpo", "data.private=false", "export.publish.repo_id=me/x"])
+    with pytest.raises(ReprotuneError, match=r"started from outputs/adapter .*no training record of that adapter"):
+        publish(cfg)
+
+
+def test_a_preference_adapter_from_a_public_sft_adapter_publishes_its_own_folder(tmp_path: Path) -> None:
+    fake_preference_adapter(tmp_path, sft_private=False)
+    plan = publish(compose([f"paths.root={tmp_path}", "objective=dpo", "data.private=false",
+                            "export.publish.repo_id=me/x"]))
+    assert plan["folder"] == f"{tmp_path}/outputs/pref/adapter" and plan["files"] == ["adapter_model.safetensors"]
+    with pytest.raises(ReprotuneError, match=r'outputs/pref/merged not found; run \'make merge ARGS="objective=dpo"'):
+        publish(compose([f"paths.root={tmp_path}", "objective=dpo", "data.private=false",
+                         "export.publish.repo_id=me/x", "export.publish.what=merged"]))

@@ -5,8 +5,11 @@
 
 Nothing leaves the machine unless export.publish.push=true, and never for private data: when the dataset
 config (data.private) or the training run that made the adapter (outputs/train/manifest.json) marks the
-data private, the stage refuses before looking at anything else. The token comes from HF_TOKEN in the
-environment and is never written anywhere.
+data private, the stage refuses before looking at anything else. A preference run's adapter (objective=dpo|orpo|
+kto: outputs/pref/adapter or outputs/pref/merged) carries what its start adapter learnt too, so the training record
+of that start adapter (the SFT run's outputs/train/manifest.json, matched by the adapter's sha256) is checked as
+well, and a start adapter without one is refused. The token comes from HF_TOKEN in the environment and is never
+written anywhere.
 """
 
 from __future__ import annotations
@@ -22,20 +25,52 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
+from reprotune.preference import is_preference, route_paths
 
 log = logging.getLogger("reprotune.publish")
 
 
-def trained_on_private_data(cfg: DictConfig) -> str | None:
-    """Why publishing is refused, or None: the current data config or the adapter's own training record."""
+def _private_record(manifest: Path, what: str) -> str | None:
+    """Why a training record forbids publishing (its data private), or None."""
+    data = json.loads(manifest.read_text()).get("config", {}).get("data", {})
+    if data.get("private", False):
+        return f"{what} was trained on private data ({manifest}: data '{data.get('name')}' private=true)"
+    return None
+
+
+def _start_adapter_record(manifest: Path, sft_train_dir: Path) -> tuple[dict | None, Path | None]:
+    """A preference run's start adapter (objective.init_adapter: path and sha256, from its training record) and
+    the training record that produced it (the SFT run's, when its adapter has that sha256), else None."""
+    start = (json.loads(manifest.read_text()).get("objective") or {}).get("init_adapter")
+    if not start:
+        return None, None
+    sft = sft_train_dir / "manifest.json"
+    if sft.is_file():
+        made = json.loads(sft.read_text()).get("outputs", {}).get("adapter", {}).get("sha256")
+        if made and made == start.get("sha256"):
+            return start, sft
+    return start, None
+
+
+def trained_on_private_data(cfg: DictConfig, sft_train_dir: Path | None = None) -> str | None:
+    """Why publishing is refused, or None: the current data config, the adapter's own training record, and for a
+    preference run the record of the adapter it started from (sft_train_dir: the SFT run's train folder)."""
     if cfg.data.private:
         return f"data '{cfg.data.name}' is marked private (data.private=true)"
     manifest = Path(cfg.paths.train_dir) / "manifest.json"
-    if manifest.is_file():
-        data = json.loads(manifest.read_text()).get("config", {}).get("data", {})
-        if data.get("private", False):
-            return f"the adapter was trained on private data ({manifest}: data '{data.get('name')}' private=true)"
-    return None
+    if not manifest.is_file():
+        return None
+    reason = _private_record(manifest, "the adapter")
+    if reason or sft_train_dir is None:
+        return reason
+    start, record = _start_adapter_record(manifest, sft_train_dir)
+    if start is None:
+        return None  # a fresh adapter (objective.init_adapter=null): its own record is the whole story
+    if record is None:
+        return (f"the adapter started from {start.get('path')} (sha256 {str(start.get('sha256'))[:12]}...), and no "
+                f"training record of that adapter was found ({sft_train_dir}/manifest.json): its data cannot be "
+                "checked")
+    return _private_record(record, "the adapter it started from")
 
 
 def folder_to_publish(cfg: DictConfig) -> Path:
@@ -44,12 +79,16 @@ def folder_to_publish(cfg: DictConfig) -> Path:
         raise ReprotuneError(f"publish: export.publish.what must be 'adapter' or 'merged', not {what!r}")
     folder = Path(cfg.paths.adapter if what == "adapter" else cfg.paths.merged)
     if not folder.is_dir():
-        raise ReprotuneError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}' first")
+        args = f' ARGS="objective={cfg.objective.name}"' if is_preference(cfg) else ""
+        raise ReprotuneError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}"
+                             f"{args}' first")
     return folder
 
 
 def publish(cfg: DictConfig) -> dict[str, Any]:
-    reason = trained_on_private_data(cfg)
+    sft_train_dir = Path(cfg.paths.train_dir) if is_preference(cfg) else None
+    route_paths(cfg)  # a preference run: outputs/pref/{adapter,merged} and its training record outputs/pref/train
+    reason = trained_on_private_data(cfg, sft_train_dir)
     if reason:
         raise ReprotuneError(f"publish: refusing to publish: {reason}. Adapters trained on private data stay local.")
     repo_id = cfg.export.publish.repo_id
