@@ -75,6 +75,18 @@ def test_a_preference_run_writes_both_chains_from_one_set_of_args(tmp_path: Path
     assert pref["objective"]["name"] == "kto" and pref["objective"]["beta"] == 0.3 and pref["train"]["max_steps"] == 7
 
 
+def test_objective_keys_beside_sft_args_go_to_the_default_preference_objective(tmp_path: Path) -> None:
+    """make repro ARGS="train.max_steps=3 ++objective.max_steps=2": the SFT chain trains 3 steps, the preference
+    chain (DPO, the default) 2; params.yaml has no objective key."""
+    from reprotune.config import dump_chain_params
+
+    dump_chain_params(["train.max_steps=3", "++objective.max_steps=2", "++objective.beta=0.2"], tmp_path)
+    sft, pref = (yaml.safe_load((tmp_path / n).read_text()) for n in ("params.yaml", "params_pref.yaml"))
+    assert sft["objective"] == {"name": "sft"} and sft["train"]["max_steps"] == 3
+    assert pref["objective"]["name"] == "dpo" and pref["objective"]["max_steps"] == 2
+    assert pref["objective"]["beta"] == 0.2 and pref["train"]["max_steps"] == 3
+
+
 def test_training_template_renders_like_the_model_template() -> None:
     """The {% generation %} markers must not change the text the model is trained on."""
     from transformers import AutoTokenizer

@@ -28,7 +28,9 @@ VENV = Path(sys.executable).parent.parent
 TINY = ["model=tiny_random", "train.max_steps=3", "train.save_steps=3", "train.logging_steps=1",
         "train.per_device_train_batch_size=2", "train.learning_rate=0.01", "eval.max_examples=4",
         "eval.max_new_tokens=16", "export.merge.prompts=2", "export.parity.examples=2",
-        "export.parity.max_new_tokens=16"]
+        "export.parity.max_new_tokens=16",
+        # make repro's preference chain (DPO from the SFT adapter): 2 steps, not the built-in demo's 14
+        "++objective.max_steps=2"]
 ALL = ["prepare", "train", "eval", "merge", "gguf"]
 # make repro's second chain (params_pref.yaml, objective=dpo)
 PREF = ["prepare_pairs", "train_pref", "eval_pref", "merge_pref", "gguf_pref"]

@@ -205,12 +205,15 @@ def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = 
     """params_pref.yaml from the overrides (objective=dpo added when they name no preference objective), and,
     with sft, params.yaml from the same overrides without the objective ones: both chains share every setting
     but the objective (a preference run's own steps and learning rate are objective.* keys, DPOConfig's). Every
-    problem is raised before either file changes. Returns the preference config."""
+    problem is raised before either file changes. Returns the preference config. Keys of the objective set without
+    naming a preference objective (`++objective.max_steps=2` beside an SFT run's args: make repro, make train) go
+    to the default preference objective's file: only a preference run reads them."""
     plain = [o for o in overrides if not is_objective_override(o)]
     pref = compose_checked(overrides)
     pref_over = overrides
     if OmegaConf.select(pref, "objective.name") not in PREFERENCE_OBJECTIVES:
-        pref_over = [*plain, DEFAULT_PREFERENCE]
+        keys = [o for o in overrides if is_objective_override(o) and "." in o.lstrip("+~").partition("=")[0]]
+        pref_over = [*plain, DEFAULT_PREFERENCE, *keys]
         pref = compose_checked(pref_over)
     base = compose_checked(plain) if sft else None
     dump_params(pref_over, root / PREF_PARAMS_FILE, pref)
