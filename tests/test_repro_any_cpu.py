@@ -3,8 +3,8 @@
 Pinning the kernel level (reprotune/kernels.py) fixes which code runs; it does not fix what an instruction whose
 result each CPU model defines for itself returns: the approximate reciprocal and reciprocal square root (rcpps,
 rsqrtps), which MKL's vector math uses for torch.sqrt. Intel and AMD CPUs answer those differently, and the adapter
-bytes followed (an Intel Xeon, an AVX2 AMD EPYC and an AVX-512 one gave three hashes of one pinned run before
-the fused optimizer, docs/reproducibility.md). QEMU's user-mode emulator runs the same binary on an emulated CPU
+bytes followed (an Intel Xeon and an AMD EPYC gave two hashes of one pinned run before the fused optimizer,
+docs/reproducibility.md). QEMU's user-mode emulator runs the same binary on an emulated CPU
 whose vendor, model and flags it reports (cpuid), and computes such instructions exactly, as no real CPU does:
 a run that uses one gives other bytes there. So a run equal natively and emulated uses none on its path, and
 MKL's vendor dispatch (an Intel CPU emulated on an AMD host, or the other way) is exercised too.

@@ -196,8 +196,13 @@ PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto")
 DEFAULT_PREFERENCE = "objective=dpo"  # what make repro (and a fresh clone's dvc repro) runs after SFT
 
 
+def override_key(item: str) -> str:
+    """The key of a Hydra override (`++objective.max_steps=2` -> `objective.max_steps`)."""
+    return item.lstrip("+~").partition("=")[0]
+
+
 def is_objective_override(item: str) -> bool:
-    key = item.lstrip("+~").partition("=")[0]
+    key = override_key(item)
     return key == "objective" or key.startswith("objective.") or key.startswith("objective/")
 
 
@@ -212,7 +217,7 @@ def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = 
     pref = compose_checked(overrides)
     pref_over = overrides
     if OmegaConf.select(pref, "objective.name") not in PREFERENCE_OBJECTIVES:
-        keys = [o for o in overrides if is_objective_override(o) and "." in o.lstrip("+~").partition("=")[0]]
+        keys = [o for o in overrides if override_key(o).startswith("objective.")]
         pref_over = [*plain, DEFAULT_PREFERENCE, *keys]
         pref = compose_checked(pref_over)
     base = compose_checked(plain) if sft else None

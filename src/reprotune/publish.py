@@ -30,18 +30,18 @@ from reprotune.preference import is_preference, route_paths
 log = logging.getLogger("reprotune.publish")
 
 
-def _private_record(manifest: Path, what: str) -> str | None:
-    """Why a training record forbids publishing (its data private), or None."""
-    data = json.loads(manifest.read_text()).get("config", {}).get("data", {})
+def _private_record(manifest: Path, record: dict, what: str) -> str | None:
+    """Why a training record (read from manifest) forbids publishing (its data private), or None."""
+    data = record.get("config", {}).get("data", {})
     if data.get("private", False):
         return f"{what} was trained on private data ({manifest}: data '{data.get('name')}' private=true)"
     return None
 
 
-def _start_adapter_record(manifest: Path, sft_train_dir: Path) -> tuple[dict | None, Path | None]:
-    """A preference run's start adapter (objective.init_adapter: path and sha256, from its training record) and
-    the training record that produced it (the SFT run's, when its adapter has that sha256), else None."""
-    start = (json.loads(manifest.read_text()).get("objective") or {}).get("init_adapter")
+def _start_adapter_record(record: dict, sft_train_dir: Path) -> tuple[dict | None, Path | None]:
+    """A preference run's start adapter (objective.init_adapter in its training record: path and sha256) and the
+    training record that produced it (the SFT run's, when its adapter has that sha256), else None."""
+    start = (record.get("objective") or {}).get("init_adapter")
     if not start:
         return None, None
     sft = sft_train_dir / "manifest.json"
@@ -60,17 +60,18 @@ def trained_on_private_data(cfg: DictConfig, sft_train_dir: Path | None = None) 
     manifest = Path(cfg.paths.train_dir) / "manifest.json"
     if not manifest.is_file():
         return None
-    reason = _private_record(manifest, "the adapter")
+    own = json.loads(manifest.read_text())
+    reason = _private_record(manifest, own, "the adapter")
     if reason or sft_train_dir is None:
         return reason
-    start, record = _start_adapter_record(manifest, sft_train_dir)
+    start, record = _start_adapter_record(own, sft_train_dir)
     if start is None:
         return None  # a fresh adapter (objective.init_adapter=null): its own record is the whole story
     if record is None:
         return (f"the adapter started from {start.get('path')} (sha256 {str(start.get('sha256'))[:12]}...), and no "
                 f"training record of that adapter was found ({sft_train_dir}/manifest.json): its data cannot be "
                 "checked")
-    return _private_record(record, "the adapter it started from")
+    return _private_record(record, json.loads(record.read_text()), "the adapter it started from")
 
 
 def folder_to_publish(cfg: DictConfig) -> Path:

@@ -175,9 +175,8 @@ class _Paths:
 
 
 # transformers' per-tensor AdamW takes the square root of its second moment from torch.sqrt, which on a CPU is MKL's
-# vector math (VML): not correctly rounded, and its last bit moves with the CPU it runs on (measured: the same run
-# gave other adapter bytes on an Intel Xeon, an AMD EPYC with AVX2 only and one with AVX-512, all pinned;
-# docs/reproducibility.md). The fused AdamW kernel takes it from the CPU's own square-root instruction, which IEEE
+# vector math (VML): not correctly rounded, and its last bit moves with the CPU it runs on (measured: the same pinned
+# run gave other adapter bytes on an Intel Xeon and an AMD EPYC, and on an emulated Intel CPU; docs/reproducibility.md). The fused AdamW kernel takes it from the CPU's own square-root instruction, which IEEE
 # 754 fixes to the correctly rounded result on every x86-64 and aarch64 CPU.
 CPU_OPTIMIZER = {"adamw_torch": "adamw_torch_fused"}
 
