@@ -5,6 +5,7 @@ invocation (issue #26).
     python bench/dpo_recipe.py --runs trl:lora ours:lora --steps 8 -- model.random_init.tokenizer_dir=/tok
     python bench/dpo_recipe.py --runs ours:lora+strict ours:lora+strict#2        # repro=strict, twice
     python bench/dpo_recipe.py --runs ours:lora@orpo ours:qlora@kto             # another objective, same pairs
+    python bench/dpo_recipe.py --runs ours:lora ours:lora~hardware.norm_kernel=torch   # one run's own overrides
 
 (a) `trl:*`: trl.DPOTrainer as a plain script would write it: LoRA r16 alpha 32 dropout 0.05 on all linear
     layers, batch 4 x grad-accum 4 pairs, max_length 2048, gradient checkpointing, bf16, the reference = the base
@@ -202,14 +203,15 @@ def main() -> None:
     config = AutoConfig.from_pretrained(model_dir)
     results = {}
     for run in args.runs:
-        who, spec = run.split(":")
+        who, spec = run.split(":", 1)
+        spec, *run_overrides = spec.split("~")  # ours:lora~hardware.norm_kernel=torch: this run's own overrides
         spec, _, _repeat = spec.partition("#")
         spec, _, objective = spec.partition("@")  # ours:lora@orpo: another objective (default dpo)
         objective = objective or "dpo"
         if who == "trl" and objective != "dpo":
             raise SystemExit(f"{run}: the plain TRL recipe is DPO's; name another objective on ours: runs")
         method, _, mode = spec.partition("+")
-        root = args.out / run.replace(":", "-").replace("+", "-").replace("#", "-").replace("@", "-")
+        root = args.out / "".join(ch if ch.isalnum() or ch in "._" else "-" for ch in run)
         root.mkdir(parents=True, exist_ok=True)
         try:
             if who == "trl":
@@ -221,7 +223,7 @@ def main() -> None:
                 (root / "data").mkdir(exist_ok=True)
                 if not (root / "data" / "pairs").exists():
                     (root / "data" / "pairs").symlink_to(data.parent.resolve())
-                r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else [])],
+                r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else []), *run_overrides],
                          objective)
         except subprocess.CalledProcessError as err:
             r = {"failed": err.returncode}
@@ -258,14 +260,14 @@ def print_table(model: str, steps: int, stats: dict, results: dict) -> None:
         if "failed" in r:
             print(f"| {run} | failed (exit {r['failed']}) | | | | | | | |")
             continue
-        base = (results.get("trl:" + run.split(":")[1].split("+")[0].split("#")[0]) or {}
+        base = (results.get("trl:" + run.split(":", 1)[1].split("~")[0].split("+")[0].split("#")[0].split("@")[0]) or {}
                 if r.get("objective", "dpo") == "dpo" else {})  # the TRL recipe is DPO's
         ratio = (r["steady_tokens_per_s"] / base["steady_tokens_per_s"]
                  if base.get("steady_tokens_per_s") and r["steady_tokens_per_s"] else None)
         rs = r.get("run_settings")
         setting = (f"{rs['per_device_train_batch_size']}x{rs['gradient_accumulation_steps']}, ckpt "
                    f"{'every ' + str(rs['checkpoint_every_n_layers']) if rs['activation_checkpointing'] else 'off'}, "
-                   f"{rs['attn_implementation']}" if rs else "4x4, ckpt every layer, sdpa, padded")
+                   f"{rs['attn_implementation']}, norm {rs.get('norm_kernel', 'liger' if rs['liger'] else 'eager')}" if rs else "4x4, ckpt every layer, sdpa, padded")
         print(f"| {run} | {r['steady_tokens_per_s'] or 0:,.0f} | {(r['mfu'] or 0) * 100:.1f}% | "
               f"{(r.get('mfu_computed') or 0) * 100:.1f}% | "
               f"{r['peak_gib']:.2f} / {r['reserved_gib']:.2f} | {r['final_loss']:.4f} | "

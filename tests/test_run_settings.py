@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import CONF_DIR, compose
+from reprotune.errors import ReprotuneError
 from reprotune.sizing import decide as d
 from reprotune.sizing.fit import describe
 from reprotune.sizing.preflight import preflight
@@ -92,6 +93,51 @@ def test_liger_is_planned_only_where_it_runs() -> None:
     assert with_liger.liger and with_liger.planned.liger
     assert not bare.liger and not bare.planned.liger and "liger-kernel not installed" in " ".join(bare.reasons)
     assert bare.predicted["peak_gib"] != with_liger.predicted["peak_gib"]
+
+
+def test_llama_style_norms_run_torchs_fused_kernel_where_liger_runs() -> None:
+    """hardware.norm_kernel: auto = torch's fused rms_norm for Llama-style norms with Liger's other kernels (a DPO
+    step waits on the host: docs/preference.md), Liger's for Gemma's (1 + weight) norm, the model's own without
+    Liger; the run's reasons say which; a value outside the list is one line naming the key."""
+    def pick(model: str, *extra: str, hw: d.Hardware | None = None) -> d.RunSettings:
+        return d.decide(compose([f"model={model}", "hardware=gpu", *extra]), hw or d.card("H100"), None, None)
+
+    for model in ("qwen3_8b_random", "llama32_1b_random", "mistral_7b_random", "tiny_random_qwen3"):
+        run = pick(model)
+        assert run.norm_kernel == "torch" and "torch's fused rms_norm" in " ".join(run.reasons), model
+    assert pick("tiny_random_gemma3").norm_kernel == "liger"
+    assert pick("qwen3_8b_random", "hardware.norm_kernel=liger").norm_kernel == "liger"
+    assert pick("qwen3_8b_random", "hardware.liger_kernel=false").norm_kernel == "eager"
+    assert d.decide(compose(["model=tiny_random", "hardware=cpu"]), d.Hardware("cpu"), None, None).norm_kernel == "eager"
+    with pytest.raises(ReprotuneError, match=r"^hardware.norm_kernel: 'triton' is not one of auto, liger, torch$"):
+        pick("qwen3_8b_random", "hardware.norm_kernel=triton")
+
+
+def test_torch_rms_norm_computes_what_the_models_norm_does() -> None:
+    """train.use_torch_rms_norm swaps every Llama-style norm of a model (Qwen3: 4 a layer and the final one) and
+    leaves others alone; in float32 its outputs and gradients are the module's own (to rounding)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from reprotune.train import use_torch_rms_norm
+
+    config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    assert use_torch_rms_norm(AutoModelForCausalLM.from_config(config)) == 4 * 3 + 1
+    torch.manual_seed(0)
+    eager, fused = Qwen3RMSNorm(64, eps=1e-6), Qwen3RMSNorm(64, eps=1e-6)
+    eager.weight.data.uniform_(0.5, 1.5)
+    fused.load_state_dict(eager.state_dict())
+    wrapper = torch.nn.Sequential(fused, torch.nn.LayerNorm(64))
+    assert use_torch_rms_norm(wrapper) == 1 and "forward" not in vars(wrapper[1])
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    (eager(x) ** 2).sum().backward()
+    (fused(x2) ** 2).sum().backward()
+    torch.testing.assert_close(fused(x2), eager(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_off_cuda_nothing_is_fitted() -> None:

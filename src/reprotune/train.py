@@ -137,17 +137,42 @@ def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     return SFTConfig(**keys)
 
 
-def apply_liger(model, active: bool) -> None:
+def apply_liger(model, active: bool, norm: str = "liger") -> None:
     """Liger's layer kernels (RMSNorm, SwiGLU, RoPE) on the model, exactly what TRL 1.16's use_liger_kernel=True
     makes the Trainer do at the start of train(): transformers' apply_liger_kernel with the fused linear
     cross-entropy off (it would replace the forward that computes the loss). Called here because TRL deprecates
     that switch for Hub kernels (model_init_kwargs={"use_kernels": True}), which need the `kernels` package and
-    a Hub download: neither is in the lock nor offline."""
+    a Hub download: neither is in the lock nor offline. norm="torch": the RMSNorms run torch's fused rms_norm
+    instead of Liger's (run.norm_kernel, decided in reprotune.sizing.decide)."""
     if not active:
         return
     from transformers.integrations.liger import apply_liger_kernel
 
-    apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
+    apply_liger_kernel(model, {"fused_linear_cross_entropy": False, "rms_norm": norm == "liger"})
+    if norm == "torch":
+        use_torch_rms_norm(model)
+
+
+def use_torch_rms_norm(model) -> int:
+    """Every Llama-style RMSNorm (weight * x / rms(x); Llama, Mistral, Qwen2/3) of the model runs torch's fused
+    rms_norm: one ATen call forward and one backward, where Liger's goes through a Python launcher (~170 us of
+    host time a call on the H200 host, 145 norms a Qwen3-8B forward). Returns how many norms it changed."""
+    import types
+
+    from torch.nn.functional import rms_norm
+
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ in LLAMA_STYLE_NORMS:
+            module.forward = types.MethodType(forward, module)
+            n += 1
+    return n
+
+
+LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
 def mean_example_tokens(dataset, n_examples: int) -> float:
@@ -364,7 +389,7 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
           merged_head_view(trainer.model)):
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
-        apply_liger(trainer.model, active=run.liger)
+        apply_liger(trainer.model, active=run.liger, norm=run.norm_kernel)
         with tiled_mlp(trainer.model, run.tiled_mlp_tokens) as tiled_layers:  # after Liger: it wraps Liger's MLP
             if tiled_layers:
                 log.info("MLP over %d-token tiles in %d layers", run.tiled_mlp_tokens, tiled_layers)

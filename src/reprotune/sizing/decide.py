@@ -99,6 +99,7 @@ class RunSettings:
     packing: bool
     attn_implementation: str | None  # None: the model's default (SDPA)
     liger: bool
+    norm_kernel: str                 # the RMSNorm kernel: liger | torch (torch's fused rms_norm) | eager (the model's)
     fused_lora: bool                 # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
     optim: str                       # transformers' optimizer name (train.optim, or its CPU replacement)
     dynamic_shapes: bool             # torch.compile traces symbolic sequence lengths from the first call
@@ -169,6 +170,7 @@ class _Paths:
     packing: bool
     attn: str | None
     liger: bool
+    norm: str
     fused: bool
     optim: str
     reasons: tuple[str, ...]
@@ -212,6 +214,10 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
         liger = fast and cuda and hw.liger_installed
         if fast and cuda and not liger:
             reasons.append("liger-kernel not installed (pip install liger-kernel): unfused norms/activations")
+    norm = norm_kernel(cfg, bool(liger))
+    if norm == "torch":
+        reasons.append("RMSNorm: torch's fused rms_norm (one ATen call a norm; Liger's Triton launcher costs more "
+                       "host time, and these steps wait on the host)")
     if attn == "flex_attention":
         reasons.append("compile: dynamic shapes from the first call")
     fused = fast and cuda if _auto(h.get("fused_lora", "auto")) else bool(h.fused_lora)
@@ -220,8 +226,30 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     optim, why = optimizer(cfg, hw.device)
     if why:
         reasons.append(why)
-    return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), fused=fused,
-                  optim=optim, reasons=tuple(reasons))
+    return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
+                  fused=fused, optim=optim, reasons=tuple(reasons))
+
+
+NORM_KERNELS = ("liger", "torch")
+# Only the Llama-style RMSNorm (weight * x / rms) has torch's fused kernel as it is; Gemma's (1 + weight) keeps Liger's
+TORCH_NORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def norm_kernel(cfg: DictConfig, liger: bool) -> str:
+    """hardware.norm_kernel: which kernel the RMSNorms run when Liger's kernels are on (off: the model's own).
+    auto: torch's for Llama-style norms (measured on the H200: a packed LoRA DPO step waits on the host, and
+    torch's call costs ~130 us of host time forward and backward where Liger's launcher costs ~420 us;
+    docs/preference.md), Liger's for the others (Gemma's 1 + weight)."""
+    if not liger:
+        return "eager"
+    chosen = cfg.hardware.get("norm_kernel", "auto")
+    chosen = "torch" if _auto(chosen) else str(chosen)
+    if chosen not in NORM_KERNELS:
+        raise ReprotuneError(f"hardware.norm_kernel: {chosen!r} is not one of auto, {', '.join(NORM_KERNELS)}")
+    family = cfg.model.get("model_type") or (cfg.model.get("random_init") or {}).get("model_type")
+    if chosen == "torch" and str(family or "") not in TORCH_NORM_FAMILIES:
+        return "liger"
+    return chosen
 
 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
@@ -391,7 +419,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     strategy = distributed.strategy(cfg, hw.world_size)
     process_accum, batch_line = distributed.global_batch(cfg, rows, accum, hw.world_size)
     return RunSettings(method=str(cfg.method.name), device=hw.device, dtype=p.dtype, packing=p.packing,
-                       attn_implementation=p.attn, liger=p.liger, fused_lora=p.fused, optim=p.optim,
+                       attn_implementation=p.attn, liger=p.liger, norm_kernel=p.norm, fused_lora=p.fused, optim=p.optim,
                        dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
                        checkpoint_every_n_layers=every if ckpt else 1, activation_offloading=bool(offload),
                        tiled_mlp_tokens=tile, per_device_train_batch_size=rows,
