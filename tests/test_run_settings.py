@@ -96,18 +96,21 @@ def test_liger_is_planned_only_where_it_runs() -> None:
 
 
 def test_llama_style_norms_run_torchs_fused_kernel_where_liger_runs() -> None:
-    """hardware.norm_kernel: auto = torch's fused rms_norm for Llama-style norms with Liger's other kernels (a DPO
-    step waits on the host: docs/preference.md), Liger's for Gemma's (1 + weight) norm, the model's own without
-    Liger; the run's reasons say which; a value outside the list is one line naming the key."""
+    """hardware.norm_kernel: auto = torch's fused rms_norm for a preference run's Llama-style norms, with Liger's
+    other kernels (a DPO step waits on the host: docs/preference.md), Liger's for SFT and for Gemma's (1 + weight)
+    norm, the model's own without Liger; the run's reasons say which; a value outside the list is one line."""
     def pick(model: str, *extra: str, hw: d.Hardware | None = None) -> d.RunSettings:
         return d.decide(compose([f"model={model}", "hardware=gpu", *extra]), hw or d.card("H100"), None, None)
 
     for model in ("qwen3_8b_random", "llama32_1b_random", "mistral_7b_random", "tiny_random_qwen3"):
-        run = pick(model)
-        assert run.norm_kernel == "torch" and "torch's fused rms_norm" in " ".join(run.reasons), model
-    assert pick("tiny_random_gemma3").norm_kernel == "liger"
-    assert pick("qwen3_8b_random", "hardware.norm_kernel=liger").norm_kernel == "liger"
-    assert pick("qwen3_8b_random", "hardware.liger_kernel=false").norm_kernel == "eager"
+        for objective in ("dpo", "orpo", "kto"):
+            run = pick(model, f"objective={objective}")
+            assert run.norm_kernel == "torch" and "torch's fused rms_norm" in " ".join(run.reasons), model
+        assert pick(model).norm_kernel == "liger", model  # SFT
+        assert pick(model, "hardware.norm_kernel=torch").norm_kernel == "torch", model
+    assert pick("tiny_random_gemma3", "objective=dpo").norm_kernel == "liger"
+    assert pick("qwen3_8b_random", "objective=dpo", "hardware.norm_kernel=liger").norm_kernel == "liger"
+    assert pick("qwen3_8b_random", "objective=dpo", "hardware.liger_kernel=false").norm_kernel == "eager"
     assert d.decide(compose(["model=tiny_random", "hardware=cpu"]), d.Hardware("cpu"), None, None).norm_kernel == "eager"
     with pytest.raises(ReprotuneError, match=r"^hardware.norm_kernel: 'triton' is not one of auto, liger, torch$"):
         pick("qwen3_8b_random", "hardware.norm_kernel=triton")
