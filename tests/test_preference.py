@@ -130,6 +130,61 @@ def test_builtin_invoices_get_wrong_extractions_deterministically(workspace: tup
         assert sum(chosen[f] != rejected[f] for f in FIELDS) in (1, 2)  # one mistake (a swap moves two fields)
 
 
+def _mistake_kind(chosen: dict, rejected: dict) -> str:
+    """Which of reprotune.invoices.MISTAKES turned `chosen` into `rejected` (read from the two answers)."""
+    from datetime import date
+
+    changed = [f for f in chosen if chosen[f] != rejected[f]]
+    if changed == ["date"]:
+        old, new = chosen["date"], rejected["date"]
+        if "/" in new or new.count("-") == 2 and len(new.split("-")[0]) == 2:
+            return "date_format"
+        a, b = date.fromisoformat(old), date.fromisoformat(new)
+        return "day_month_swapped" if (a.month, a.day) == (b.day, b.month) else "day_off_by_one"
+    if changed == ["total", "tax"] and (rejected["total"], rejected["tax"]) == (chosen["tax"], chosen["total"]):
+        return "swap_total_tax"
+    if changed == ["currency"]:
+        return "currency_symbol"
+    if changed == ["invoice_number"]:
+        return "number_prefix"
+    (field,) = changed
+    if isinstance(rejected[field], str):
+        return "total_as_text"
+    return "thousands_point" if abs(rejected[field] * 1000 - chosen[field]) < 1e-6 else "dropped_decimal"
+
+
+def test_wrong_extractions_cover_the_format_slips_and_the_sft_adapters_digit_slips() -> None:
+    """The built-in rejected answers: every kind of MISTAKES occurs on the 600 built-in invoices, the digit slips
+    (what the SFT adapter still gets wrong on its holdout) being one field of valid JSON each, as the model writes it."""
+    import random
+    from collections import Counter
+
+    from reprotune.invoices import (
+        MISTAKES,
+        _day_month_swapped,
+        _day_off_by_one,
+        _last_decimal_dropped,
+        _thousands_as_decimal_point,
+        generate,
+        wrong_extraction,
+    )
+
+    assert (_last_decimal_dropped(1585.22), _last_decimal_dropped(1585.2), _last_decimal_dropped(634.0)) == \
+        (1585.2, 1585, None)
+    assert (_thousands_as_decimal_point(12596918.0), _thousands_as_decimal_point(999.0),
+            _thousands_as_decimal_point(12.5)) == (12596.918, None, None)
+    assert (_day_month_swapped("2023-11-02"), _day_month_swapped("2023-11-13"), _day_month_swapped("2023-05-05")) == \
+        ("2023-02-11", None, None)
+    assert (_day_off_by_one("2023-11-02"), _day_off_by_one("2023-02-28")) == ("2023-11-03", "2023-02-27")
+    kinds = Counter()
+    for i, example in enumerate(generate(600, 1234)):
+        answer = example["messages"][-1]["content"]
+        wrong = wrong_extraction(answer, random.Random(i))
+        assert wrong != answer and json.loads(wrong).keys() == json.loads(answer).keys()
+        kinds[_mistake_kind(json.loads(answer), json.loads(wrong))] += 1
+    assert set(kinds) == set(MISTAKES) and min(kinds.values()) >= 5, kinds  # thousands_point: JPY amounts only
+
+
 def test_sft_format_name_with_a_preference_objective_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ReprotuneError, match=r"data.format: 'chat' is not a preference format"):
         prepared(tmp_path, FIX / "openai.jsonl", "data.format=chat")
@@ -170,7 +225,7 @@ def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_pat
     assert one["run_settings"]["packing"] is packing
     assert one["run_settings"]["attn_implementation"] == ("pair_dense" if packing else None)
     assert one["outputs"]["adapter"]["sha256"] == two["outputs"]["adapter"]["sha256"]
-    assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.1,
+    assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.5,
                                 "loss_type": ["sigmoid", "sft"], "init_adapter": None}
     assert one["inputs"]["train_data"]["sha256"]
     metrics = json.loads((tmp_path / "one/outputs/pref/train/metrics.json").read_text())
@@ -360,7 +415,7 @@ def test_eval_of_a_preference_run_compares_base_sft_and_preference_adapter(
     run_train(tmp_path, *over[2:])
     result = evaluate(compose([*over, "eval.max_examples=3", "eval.max_new_tokens=8"]))
     pref = result["metrics"]["preference"]
-    assert pref["pairs"] == 3 and pref["beta"] == 0.1
+    assert pref["pairs"] == 3 and pref["beta"] == 0.5
     assert "reward_accuracy" not in pref["base"] and {"reward_accuracy", "reward_margin"} <= pref["sft"].keys()
     assert pref["tuned"]["reward_margin"] != pref["sft"]["reward_margin"]  # DPO moved the adapter
     assert pref["sft"]["logp_chosen"] != pref["base"]["logp_chosen"]  # the SFT adapter really is loaded

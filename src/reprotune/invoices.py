@@ -121,17 +121,51 @@ def _wrong_date(iso: str) -> str:
     return day.strftime("%d/%m/%Y") if day.day != day.month else day.strftime("%m-%d-%Y")
 
 
-# plausible extraction mistakes, each one field or two: what a half-trained model gets wrong
-MISTAKES = ("date_format", "swap_total_tax", "currency_symbol", "number_prefix", "total_as_text")
+def _day_month_swapped(iso: str) -> str | None:
+    """YYYY-MM-DD read the other way round (2023-11-02 -> 2023-02-11), when that is a date and another one."""
+    day = date.fromisoformat(iso)
+    return date(day.year, day.day, day.month).isoformat() if day.day <= 12 and day.day != day.month else None
+
+
+def _day_off_by_one(iso: str) -> str:
+    day = date.fromisoformat(iso)
+    return day.replace(day=day.day + 1 if day.day < 28 else day.day - 1).isoformat()
+
+
+def _last_decimal_dropped(value: float) -> float | None:
+    """1585.22 -> 1585.2, 1585.2 -> 1585; None for a whole number."""
+    text = json.dumps(value)
+    if "." not in text or text.endswith(".0"):
+        return None
+    return json.loads(text[:-1].rstrip("."))
+
+
+def _thousands_as_decimal_point(value: float) -> float | None:
+    """A whole amount's thousands separator read as a decimal point: 12596918 -> 12596.918."""
+    if value != int(value) or value < 1000:
+        return None
+    whole = int(value)
+    return json.loads(f"{whole // 1000}.{whole % 1000:03d}")
+
+
+# plausible extraction mistakes, each one field or two: what a half-trained model gets wrong. The format slips
+# come first; the digit slips after them are the ones an SFT adapter of the built-in task still makes on its
+# holdout (measured: a dropped last decimal, a thousands separator read as a decimal point, a day or month
+# digit; docs/preference.md, "Measured (CPU)")
+MISTAKES = ("date_format", "swap_total_tax", "currency_symbol", "number_prefix", "total_as_text",
+            "dropped_decimal", "thousands_point", "day_month_swapped", "day_off_by_one")
 
 
 def wrong_extraction(answer_json: str, rng: random.Random) -> str:
     """A plausible wrong answer for the built-in task (the rejected side of a preference pair): the same JSON
-    with one mistake, chosen by `rng` (a wrong date format, total and tax swapped, a currency symbol instead of
-    its ISO code, the invoice number's prefix dropped, the total as a string); always differs from the answer."""
+    with one mistake, chosen by `rng` (MISTAKES: a wrong date format, total and tax swapped, a currency symbol
+    instead of its ISO code, the invoice number's prefix dropped, the total as a string, an amount's last decimal
+    dropped or its thousands read as decimals, a date's day and month swapped or its day one off); always
+    differs from the answer."""
     answer = json.loads(answer_json)
     for mistake in rng.sample(MISTAKES, len(MISTAKES)):
         wrong = dict(answer)
+        amount = rng.choice(("total", "tax"))
         if mistake == "date_format":
             wrong["date"] = _wrong_date(answer["date"])
         elif mistake == "swap_total_tax" and answer["total"] != answer["tax"]:
@@ -144,7 +178,15 @@ def wrong_extraction(answer_json: str, rng: random.Random) -> str:
             wrong["invoice_number"] = digits
         elif mistake == "total_as_text":
             wrong["total"] = f"{answer['total']} {answer['currency']}"
-        if wrong != answer:
+        elif mistake == "dropped_decimal":
+            wrong[amount] = _last_decimal_dropped(answer[amount])
+        elif mistake == "thousands_point":
+            wrong[amount] = _thousands_as_decimal_point(answer[amount])
+        elif mistake == "day_month_swapped":
+            wrong["date"] = _day_month_swapped(answer["date"])
+        elif mistake == "day_off_by_one":
+            wrong["date"] = _day_off_by_one(answer["date"])
+        if None not in wrong.values() and wrong != answer:
             return json.dumps(wrong, ensure_ascii=False)
     raise ValueError(f"no mistake changes {answer_json}")  # unreachable: the date format always changes
 
