@@ -267,7 +267,8 @@ def print_table(model: str, steps: int, stats: dict, results: dict) -> None:
         rs = r.get("run_settings")
         setting = (f"{rs['per_device_train_batch_size']}x{rs['gradient_accumulation_steps']}, ckpt "
                    f"{'every ' + str(rs['checkpoint_every_n_layers']) if rs['activation_checkpointing'] else 'off'}, "
-                   f"{rs['attn_implementation']}, norm {rs.get('norm_kernel', 'liger' if rs['liger'] else 'eager')}" if rs else "4x4, ckpt every layer, sdpa, padded")
+                   f"{rs['attn_implementation']}, norm {rs.get('norm_kernel', 'liger' if rs['liger'] else 'eager')}"
+                   f"{', embedding on host' if rs.get('embedding_on_host') else ''}" if rs else "4x4, ckpt every layer, sdpa, padded")
         print(f"| {run} | {r['steady_tokens_per_s'] or 0:,.0f} | {(r['mfu'] or 0) * 100:.1f}% | "
               f"{(r.get('mfu_computed') or 0) * 100:.1f}% | "
               f"{r['peak_gib']:.2f} / {r['reserved_gib']:.2f} | {r['final_loss']:.4f} | "

@@ -145,7 +145,8 @@ def test_kto_is_never_fitted_to_one_row(tmp_path: Path) -> None:
     """TRL's KTOTrainer refuses per_device_train_batch_size=1 with its KL term: a budget that one row would meet
     keeps two (the smallest KTO can run); without the KL term (loss_type apo_zero_unpaired) one row."""
     write_pairs(tmp_path, longest=2000, paired=False)
-    budget = ("train.per_device_train_batch_size=4", "hardware.memory_budget_gib=19")
+    # the input embedding on the GPU: on the host (hardware.embedding_on_host's auto), two rows fit 19 GiB
+    budget = ("train.per_device_train_batch_size=4", "hardware.memory_budget_gib=19", "hardware.embedding_on_host=false")
     kto = planned(tmp_path, "objective=kto", *budget)
     assert (kto.per_device_train_batch_size, kto.gradient_accumulation_steps) == (2, 2)
     assert kto.activation_checkpointing and kto.predicted["card_gib"] + 0.5 > 19  # over it: nothing smaller runs

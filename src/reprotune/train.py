@@ -375,6 +375,7 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
     from peft.helpers import disable_input_dtype_casting
 
     from reprotune.fused_lora import fused_lora
+    from reprotune.host_embedding import embedding_on_host
     from reprotune.tiled_mlp import tiled_mlp
     from reprotune.trainable_tokens import merged_head_view
 
@@ -386,7 +387,10 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
     # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
     with (disable_input_dtype_casting(trainer.model, active=run.device == "cuda" and run.dtype != "float32"),
           fused_lora(trainer.model, active=run.fused_lora) as fused_layers,
-          merged_head_view(trainer.model)):
+          merged_head_view(trainer.model),
+          embedding_on_host(trainer.model, active=run.embedding_on_host) as host_bytes):
+        if host_bytes:
+            log.info("input embedding on the host: %.2f GiB of GPU memory freed", host_bytes / 2**30)
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
         apply_liger(trainer.model, active=run.liger, norm=run.norm_kernel)

@@ -107,6 +107,7 @@ class RunSettings:
     checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
     activation_offloading: bool      # TRL's: the checkpointed layer inputs wait in pinned host memory
     tiled_mlp_tokens: int            # the MLP over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
+    embedding_on_host: bool          # the frozen input embedding stays in host memory (reprotune.host_embedding)
     per_device_train_batch_size: int
     gradient_accumulation_steps: int  # of one process keeping the global batch alone (the fitted value)
     world_size: int
@@ -254,6 +255,34 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     return chosen
 
 
+# the families whose input embedding is a plain torch.nn.Embedding (Gemma's scales its output: it computes more)
+PLAIN_EMBEDDING_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool | None:
+    """hardware.embedding_on_host: True/False when it is decided here, None when auto leaves it to the memory fit
+    (on the host only where that lets a faster setting fit the budget: reprotune.sizing.fit.with_host_embedding).
+    auto considers it for preference runs only, where it was measured (bench/dpo_recipe.py, docs/preference.md);
+    an SFT run's picks stay as recorded (tests/golden/run_picks.json) unless it is set true. Only a GPU run's
+    untied, frozen, plain input embedding can stay on the host; set true otherwise, one line."""
+    value = cfg.hardware.get("embedding_on_host", "auto")
+    if (not _auto(value) and not bool(value)) or (_auto(value) and not is_preference(cfg)):
+        return False
+    family = str(shape.model_type if shape else cfg.model.get("model_type") or "")
+    why = ("the run is not on a GPU" if hw.device != "cuda" else
+           "the input embedding is tied to the LM head, which the GPU needs" if shape is not None and shape.tied else
+           f"{family or 'this model'}'s input embedding is not a plain torch.nn.Embedding"
+           if shape is not None and family not in PLAIN_EMBEDDING_FAMILIES else
+           "model.lora_trainable_tokens trains rows of the input embedding" if cfg.model.get("lora_trainable_tokens")
+           else "FSDP2 shards the model's parameters" if distributed.strategy(cfg, hw.world_size) == "fsdp2"
+           else None)
+    if why is None:
+        return None if _auto(value) else True
+    if _auto(value):
+        return False
+    raise ReprotuneError(f"hardware.embedding_on_host=true: {why}; leave it auto or set it false")
+
+
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
     """DPO on packed pairs (reprotune.preference.packed): modelled as packed rows, one pair per row."""
     return objective_name(cfg) == "dpo" and p.packing
@@ -349,7 +378,13 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     mask_repeats_kv=attn not in ("eager", "pair_dense") and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
-                    tiled_mlp=tile_tokens(cfg) if tiled else 0, **padded)
+                    tiled_mlp=tile_tokens(cfg) if tiled else 0,
+                    host_embedding=_forced_on(cfg.hardware.get("embedding_on_host", "auto")), **padded)
+
+
+def _forced_on(value: Any) -> bool:
+    """A switch set true (auto: the fit decides, so not in the configured view)."""
+    return not _auto(value) and bool(value)
 
 
 def tile_tokens(cfg: DictConfig) -> int:
@@ -389,6 +424,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt, every = cfg.hardware.gradient_checkpointing, every_n_layers(cfg)
     offload, tiled = long_context_switches(cfg, hw.device)
+    host = embedding_switch(cfg, hw, shape)
     tile = tile_tokens(cfg) if tiled else 0
     budget = predicted = fallback = fallback_gib = None
     fits = True
@@ -396,19 +432,23 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         consts = load_table("memory.yaml")
         budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
         planned, predicted = fit_to_budget(planned, not _auto(ckpt), shape, data, budget, consts, offload, tiled,
-                                           hw.host_available_bytes, configured_tile(cfg))
+                                           hw.host_available_bytes, configured_tile(cfg), host)
         fits = (needed_bytes(predicted, consts) <= hw.free_bytes
                 and fits_host(predicted, hw.host_available_bytes))
         if not fits:
             found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
                                     hw.free_bytes / GIB, consts, offload, tiled, hw.host_available_bytes,
-                                    configured_tile(cfg))
+                                    configured_tile(cfg), host)
             fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
         if _auto(ckpt):
             rows, accum, ckpt, every = planned.batch_size, planned.grad_accum, planned.checkpointing, planned.ckpt_every
             reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
                            f"{budget / GIB:.1f} GiB budget")
-        offload, tile = planned.offload, planned.tiled_mlp
+        offload, tile, host = planned.offload, planned.tiled_mlp, planned.host_embedding
+        if host:
+            freed = shape.vocab * shape.hidden * (2 if planned.load_in_4bit else planned.dtype_bytes)
+            reasons.append(f"input embedding on the host: {freed / GIB:.2f} GiB of GPU memory for activations, its "
+                           "rows gathered there and copied to the GPU each forward (the same values)")
         if offload:
             reasons.append(f"activation offloading: {predicted['host_offload_gib']} GiB of pinned host memory"
                            + (f" of {hw.host_available_bytes / GIB:.1f} GiB available"
@@ -424,7 +464,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
                        attn_implementation=p.attn, liger=p.liger, norm_kernel=p.norm, fused_lora=p.fused, optim=p.optim,
                        dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
                        checkpoint_every_n_layers=every if ckpt else 1, activation_offloading=bool(offload),
-                       tiled_mlp_tokens=tile, per_device_train_batch_size=rows,
+                       tiled_mlp_tokens=tile, embedding_on_host=bool(host), per_device_train_batch_size=rows,
                        gradient_accumulation_steps=accum, world_size=hw.world_size, strategy=strategy,
                        process_accumulation=process_accum, global_batch=batch_line, budget_bytes=budget,
                        planned=planned, predicted=predicted, fits=fits, fallback=fallback,

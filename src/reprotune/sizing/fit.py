@@ -94,6 +94,15 @@ def candidate_settings(s: Settings) -> list[Settings]:
     return ladder
 
 
+def with_host_embedding(cands: list[Settings], host: bool | None) -> list[Settings]:
+    """The candidates with the input embedding where hardware.embedding_on_host puts it: on the host (True), on
+    the GPU (False), or each both ways (None: auto; on the host only costs time, so the fit takes it only where
+    it lets a faster setting fit)."""
+    if host is None:
+        return [c for cand in cands for c in (replace(cand, host_embedding=False), replace(cand, host_embedding=True))]
+    return [replace(c, host_embedding=host) for c in cands]
+
+
 def fits_host(mem: dict[str, Any], host_bytes: float | None) -> bool:
     """Offloaded activations fit the host's available memory (None: unknown, a described card: not checked)."""
     return host_bytes is None or mem["host_offload_gib"] * GIB <= host_bytes
@@ -117,13 +126,15 @@ def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None,
 
 def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
                     consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
-                    host_bytes: float | None = None, tile: int | None = None) -> tuple[Settings, dict[str, Any]] | None:
+                    host_bytes: float | None = None, tile: int | None = None,
+                    host_embedding: bool | None = False) -> tuple[Settings, dict[str, Any]] | None:
     """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
-    candidate_settings' ladder), else of the ladder's QLoRA fallback; offload/tiled: as fastest_fitting's."""
+    candidate_settings' ladder), else of the ladder's QLoRA fallback; offload/tiled/host_embedding: as
+    fit_to_budget's."""
     throughput = load_table("throughput.yaml")
     for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
-        found = fastest_fitting(shape, allowed(cands, offload, tiled, tile), data, capacity_gib * GIB, consts, throughput,
-                                host_bytes)
+        cands = with_host_embedding(allowed(cands, offload, tiled, tile), host_embedding)
+        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput, host_bytes)
         if found:
             return found
     return None
@@ -131,13 +142,16 @@ def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_
 
 def fit_to_budget(s: Settings, forced: bool, shape: Shape, data: DataShape | None, budget_bytes: float,
                   consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
-                  host_bytes: float | None = None, tile: int | None = None) -> tuple[Settings, dict[str, Any]]:
+                  host_bytes: float | None = None, tile: int | None = None,
+                  host_embedding: bool | None = False) -> tuple[Settings, dict[str, Any]]:
     """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
     global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
     else the ladder's smallest; `s` as it is when checkpointing is forced (hardware.gradient_checkpointing).
     offload/tiled: hardware.activation_offloading / hardware.tiled_mlp when set (None: auto); host_bytes: the
-    host memory offloading may take (None: not checked); tile: hardware.tiled_mlp_tokens when set."""
-    cands = [s] if forced else allowed(same_method_candidates(s), offload, tiled, tile)
+    host memory offloading may take (None: not checked); tile: hardware.tiled_mlp_tokens when set;
+    host_embedding: the input embedding on the host (True), on the GPU (False), either (None; forced: the GPU)."""
+    cands = ([replace(s, host_embedding=bool(host_embedding))] if forced
+             else with_host_embedding(allowed(same_method_candidates(s), offload, tiled, tile), host_embedding))
     if not forced:
         found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"), host_bytes)
         if found:
@@ -157,8 +171,9 @@ def describe(s: Settings) -> str:
         tokens = f"bs {s.batch_size} pairs ({s.batch_size * s.sequences} padded rows)"
     else:
         tokens = f"bs {s.batch_size}"
-    long = (", activations offloaded to host" if s.offload else "") + (f", MLP in {s.tiled_mlp}-token tiles"
-                                                                       if s.tiled_mlp else "")
+    long = ((", activations offloaded to host" if s.offload else "")
+            + (f", MLP in {s.tiled_mlp}-token tiles" if s.tiled_mlp else "")
+            + (", input embedding on the host" if s.host_embedding else ""))
     return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}"
             f"{long}, {tokens}, grad-accum {s.grad_accum}")
 
@@ -174,6 +189,8 @@ def overrides_for(s: Settings, base: Settings) -> list[str]:
         out.append(f"hardware.activation_offloading={str(s.offload).lower()}")
     if bool(s.tiled_mlp) != bool(base.tiled_mlp):
         out.append(f"hardware.tiled_mlp={str(bool(s.tiled_mlp)).lower()}")
+    if s.host_embedding != base.host_embedding:
+        out.append(f"hardware.embedding_on_host={str(s.host_embedding).lower()}")
     if s.batch_size != base.batch_size:
         out += [f"train.per_device_train_batch_size={s.batch_size}", f"train.gradient_accumulation_steps={s.grad_accum}"]
     return out

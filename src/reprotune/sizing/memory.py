@@ -46,6 +46,7 @@ class Settings:
     kl_rows: bool = False     # KTO's KL batch: B mismatched (prompt, completion) rows through the policy and the
                               # reference, both under no_grad
     full_logits: bool = False  # ORPO: the logits of every position (TRL's ORPO trainer has no fused LM head)
+    host_embedding: bool = False  # the frozen input embedding in host memory (reprotune.host_embedding)
 
 
 def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
@@ -76,15 +77,18 @@ def no_grad_forwards(s: Settings, data: DataShape | None) -> list[tuple[int, int
 
 
 def weight_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
+    """The frozen base on the GPU: 16-bit (NF4 for QLoRA's decoder-layer linears; its embeddings stay 16-bit),
+    less the input embedding when it stays in host memory."""
+    on_host = p.input_embedding * (2 if s.load_in_4bit else s.dtype_bytes) if s.host_embedding else 0
     if not s.load_in_4bit:
-        return p.total * s.dtype_bytes
+        return p.total * s.dtype_bytes - on_host
     w = consts["weights"]
     per_param = w["nf4_bytes_per_param"]
     if s.double_quant:
         per_param += 1 / w["nf4_block"] + 4 / (w["nf4_block"] * w["nf4_double_quant_block"])
     else:
         per_param += 4 / w["nf4_block"]
-    return p.layer_linear * per_param + (p.total - p.layer_linear) * 2
+    return p.layer_linear * per_param + (p.total - p.layer_linear) * 2 - on_host
 
 
 def adapter_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:

@@ -157,7 +157,8 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
                   "trainable_parameters": p.trainable,
                   "frozen_weight_bytes": {"bf16": p.total * 2,
                                           "nf4_double_quant": int(weight_bytes(p, replace(s, load_in_4bit=True,
-                                                                                          double_quant=True),
+                                                                                          double_quant=True,
+                                                                                          host_embedding=False),
                                                                                consts))}},
         "settings": asdict(s) | {"gradient_checkpointing_setting": str(cfg.hardware.gradient_checkpointing),
                                  "budget_gib": round(budget / GIB, 1), "device": hw.device if hw else None},
@@ -188,7 +189,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                 f"{s['max_length']})" if s.get("sequences", 1) > 1 else
                 f"(bs {s['batch_size']}, max_length {s['max_length']})")
              + (", activations offloaded to host" if s.get("offload") else "")
-             + (f", MLP in {s['tiled_mlp']}-token tiles" if s.get("tiled_mlp") else ""),
+             + (f", MLP in {s['tiled_mlp']}-token tiles" if s.get("tiled_mlp") else "")
+             + (", input embedding on the host (hardware.embedding_on_host)" if s.get("host_embedding") else ""),
              f"  predicted peak GPU memory: {mem['peak_gib']} GiB allocated, {mem['reserved_gib']} GiB reserved, "
              f"{mem['card_gib']} GiB on the card"
              + (f"; host memory for the offloaded activations: {mem['host_offload_gib']} GiB (pinned)"

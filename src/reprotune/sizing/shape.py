@@ -125,6 +125,7 @@ class Params:
     embeddings: int     # input embedding + untied LM head
     largest_linear: int
     trainable: int      # LoRA A/B (+ DoRA magnitudes)
+    input_embedding: int = 0  # the input embedding alone (what hardware.embedding_on_host keeps on the host)
 
 
 def count_params(shape: Shape, targets: list[str], r: int, dora: bool) -> Params:
@@ -136,7 +137,8 @@ def count_params(shape: Shape, targets: list[str], r: int, dora: bool) -> Params
     chosen = [m for m in LINEAR_MODULES if m in targets] if targets != ["all-linear"] else list(LINEAR_MODULES)
     trainable = shape.layers * sum(r * (dims[m][0] + dims[m][1]) + (dims[m][1] if dora else 0) for m in chosen)
     return Params(total=total, layer_linear=shape.layers * per_layer_linear, embeddings=embeddings,
-                  largest_linear=max(i * o for i, o in dims.values()), trainable=trainable)
+                  largest_linear=max(i * o for i, o in dims.values()), trainable=trainable,
+                  input_embedding=shape.vocab * shape.hidden)
 
 
 # ------------------------------------------------------------------------------------------------- data

@@ -68,6 +68,7 @@ class StepWork:
     recomputed: int      # checkpointed (recomputed) layers
     offloaded_bytes: float = 0.0  # layer inputs copied to host and back per micro-step (activation offloading)
     mlp_tiles: int = 0   # tiled MLP pieces run per micro-step (each tile forward in the recompute and the backward)
+    host_embedding_bytes: float = 0.0  # embedding rows gathered on the host and copied to the GPU per micro-step
 
 
 def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
@@ -80,9 +81,11 @@ def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
     offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
     sequence = step.computed if s.packing else step.computed / (s.batch_size * s.sequences)  # tiles split it
     tiles = 2 * shape.layers * math.ceil(sequence / s.tiled_mlp) if s.tiled_mlp and sequence > s.tiled_mlp else 0
+    # the input embedding on the host: every forward (with gradients, and each without) gathers its rows there
+    host_rows = (1 + extra) * shape.hidden * s.dtype_bytes * step.computed if s.host_embedding else 0.0
     return StepWork(path=code_path(s), qlora=s.load_in_4bit, flops=flops, attention_flops=attention, step=step,
                     layer_passes=(2 + extra) * shape.layers + k, recomputed=k, offloaded_bytes=offloaded,
-                    mlp_tiles=tiles)
+                    mlp_tiles=tiles, host_embedding_bytes=host_rows)
 
 
 def overhead_terms(w: StepWork) -> dict[str, float]:
@@ -119,8 +122,10 @@ def model_seconds_per_token(w: StepWork, tp: dict[str, Any]) -> dict[str, float]
     # (each byte crosses the host link twice: out in the forward, back in the backward)
     transfer_ms = 2e3 * w.offloaded_bytes / (float(m["offload_gb_per_s"]) * 1e9)
     stall_ms = max(0.0, transfer_ms - sum(ms.values()))
+    # the host embedding's gather and copy hold up the forward that waits for them: never overlapped
+    host_ms = 1e3 * w.host_embedding_bytes / (float(m["host_embedding_gb_per_s"]) * 1e9)
     return {"gemm": gemm_ms / 1e3 / w.step.counted,
-            "overhead": (sum(ms.values()) - gemm_ms + stall_ms) / 1e3 / w.step.counted}
+            "overhead": (sum(ms.values()) - gemm_ms + stall_ms + host_ms) / 1e3 / w.step.counted}
 
 
 def model_tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, throughput: dict[str, Any]) -> float:
