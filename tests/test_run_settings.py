@@ -109,6 +109,7 @@ def test_llama_style_norms_run_torchs_fused_kernel_where_liger_runs() -> None:
         assert pick(model).norm_kernel == "liger", model  # SFT
         assert pick(model, "hardware.norm_kernel=torch").norm_kernel == "torch", model
     assert pick("tiny_random_gemma3", "objective=dpo").norm_kernel == "liger"
+    assert pick("tiny_random", "objective=dpo").norm_kernel == "torch"  # the flat random_init form is a Llama
     assert pick("qwen3_8b_random", "objective=dpo", "hardware.norm_kernel=liger").norm_kernel == "liger"
     assert pick("qwen3_8b_random", "objective=dpo", "hardware.liger_kernel=false").norm_kernel == "eager"
     assert d.decide(compose(["model=tiny_random", "hardware=cpu"]), d.Hardware("cpu"), None, None).norm_kernel == "eager"

@@ -166,7 +166,7 @@ def use_torch_rms_norm(model) -> int:
 
     n = 0
     for module in model.modules():
-        if type(module).__name__ in LLAMA_STYLE_NORMS:
+        if type(module).__name__ in LLAMA_STYLE_NORMS:  # the norms of sizing.decide.LLAMA_STYLE_FAMILIES
             module.forward = types.MethodType(forward, module)
             n += 1
     return n

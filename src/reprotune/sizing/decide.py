@@ -25,12 +25,13 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune import distributed, varlen_attention
-from reprotune.config import every_n_layers, quantization
+from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
+from reprotune.models import random_init_architecture
 from reprotune.preference import WITH_REFERENCE, is_preference, objective_name
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
-from reprotune.sizing.memory import GIB, Settings, memory_budget, needed_bytes
+from reprotune.sizing.memory import GIB, Settings, input_embedding_bytes, memory_budget, needed_bytes
 from reprotune.sizing.shape import (
     DataShape,
     PlanError,
@@ -232,8 +233,22 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
 
 
 NORM_KERNELS = ("liger", "torch")
-# Only the Llama-style RMSNorm (weight * x / rms) has torch's fused kernel as it is; Gemma's (1 + weight) keeps Liger's
-TORCH_NORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# The Llama-style families: their RMSNorm is weight * x / rms (torch's fused rms_norm as it is) and their input
+# embedding a plain torch.nn.Embedding (a lookup the host can do). Gemma's norm is (1 + weight) * x / rms and its
+# embedding scales its output: neither holds.
+LLAMA_STYLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def model_family(cfg: DictConfig, shape: Shape | None = None) -> str:
+    """The model's transformers model_type: the shape's when read, else the preset's (a random_init's from its
+    spec); "" when not known before the model is downloaded."""
+    if shape is not None:
+        return shape.model_type
+    if cfg.model.get("model_type"):
+        return str(cfg.model.model_type)
+    if cfg.model.get("source") == "random_init":
+        return random_init_architecture(plain(cfg.model.random_init))[0]
+    return ""
 
 
 def norm_kernel(cfg: DictConfig, liger: bool) -> str:
@@ -249,14 +264,9 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     chosen = ("torch" if is_preference(cfg) else "liger") if _auto(chosen) else str(chosen)
     if chosen not in NORM_KERNELS:
         raise ReprotuneError(f"hardware.norm_kernel: {chosen!r} is not one of auto, {', '.join(NORM_KERNELS)}")
-    family = cfg.model.get("model_type") or (cfg.model.get("random_init") or {}).get("model_type")
-    if chosen == "torch" and str(family or "") not in TORCH_NORM_FAMILIES:
+    if chosen == "torch" and model_family(cfg) not in LLAMA_STYLE_FAMILIES:
         return "liger"
     return chosen
-
-
-# the families whose input embedding is a plain torch.nn.Embedding (Gemma's scales its output: it computes more)
-PLAIN_EMBEDDING_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool | None:
@@ -268,19 +278,29 @@ def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool
     value = cfg.hardware.get("embedding_on_host", "auto")
     if (not _auto(value) and not bool(value)) or (_auto(value) and not is_preference(cfg)):
         return False
-    family = str(shape.model_type if shape else cfg.model.get("model_type") or "")
-    why = ("the run is not on a GPU" if hw.device != "cuda" else
-           "the input embedding is tied to the LM head, which the GPU needs" if shape is not None and shape.tied else
-           f"{family or 'this model'}'s input embedding is not a plain torch.nn.Embedding"
-           if shape is not None and family not in PLAIN_EMBEDDING_FAMILIES else
-           "model.lora_trainable_tokens trains rows of the input embedding" if cfg.model.get("lora_trainable_tokens")
-           else "FSDP2 shards the model's parameters" if distributed.strategy(cfg, hw.world_size) == "fsdp2"
-           else None)
+    why = _why_embedding_stays(cfg, hw, shape)
     if why is None:
         return None if _auto(value) else True
     if _auto(value):
         return False
     raise ReprotuneError(f"hardware.embedding_on_host=true: {why}; leave it auto or set it false")
+
+
+def _why_embedding_stays(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> str | None:
+    """Why this run's input embedding cannot stay on the host (None: it can; the model itself is checked again
+    when loaded: reprotune.host_embedding.why_not_on_host)."""
+    if hw.device != "cuda":
+        return "the run is not on a GPU"
+    if shape is not None and shape.tied:
+        return "the input embedding is tied to the LM head, which the GPU needs"
+    family = model_family(cfg, shape)
+    if shape is not None and family not in LLAMA_STYLE_FAMILIES:
+        return f"{family or 'this model'}'s input embedding is not a plain torch.nn.Embedding"
+    if cfg.model.get("lora_trainable_tokens"):
+        return "model.lora_trainable_tokens trains rows of the input embedding"
+    if distributed.strategy(cfg, hw.world_size) == "fsdp2":
+        return "FSDP2 shards the model's parameters"
+    return None
 
 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
@@ -446,7 +466,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
                            f"{budget / GIB:.1f} GiB budget")
         offload, tile, host = planned.offload, planned.tiled_mlp, planned.host_embedding
         if host:
-            freed = shape.vocab * shape.hidden * (2 if planned.load_in_4bit else planned.dtype_bytes)
+            freed = input_embedding_bytes(shape.vocab * shape.hidden, planned)
             reasons.append(f"input embedding on the host: {freed / GIB:.2f} GiB of GPU memory for activations, its "
                            "rows gathered there and copied to the GPU each forward (the same values)")
         if offload:

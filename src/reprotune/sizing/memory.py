@@ -76,10 +76,15 @@ def no_grad_forwards(s: Settings, data: DataShape | None) -> list[tuple[int, int
     return out
 
 
+def input_embedding_bytes(n_params: int, s: Settings) -> float:
+    """The input embedding table's bytes (16-bit under QLoRA too: bitsandbytes quantises the layers' linears)."""
+    return n_params * (2 if s.load_in_4bit else s.dtype_bytes)
+
+
 def weight_bytes(p: Params, s: Settings, consts: dict[str, Any]) -> float:
     """The frozen base on the GPU: 16-bit (NF4 for QLoRA's decoder-layer linears; its embeddings stay 16-bit),
     less the input embedding when it stays in host memory."""
-    on_host = p.input_embedding * (2 if s.load_in_4bit else s.dtype_bytes) if s.host_embedding else 0
+    on_host = input_embedding_bytes(p.input_embedding, s) if s.host_embedding else 0
     if not s.load_in_4bit:
         return p.total * s.dtype_bytes - on_host
     w = consts["weights"]
