@@ -25,7 +25,7 @@ from reprotune.sizing import shape as sz_shape
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 MODEL = "model=qwen3_8b_random"
-PADDED = [("orpo",), ("kto",), ("dpo", "train.packing=false")]
+PADDED = [("orpo",), ("kto", "train.packing=false"), ("dpo", "train.packing=false")]  # a GPU packs DPO's and KTO's
 
 
 def write_pairs(root: Path, longest: int = 700, mean: float = 500.0, n: int = 100, paired: bool = True,
@@ -77,16 +77,21 @@ def test_padded_preference_runs_are_planned_not_refused(over: tuple[str, ...], t
 def test_make_plan_command_prints_a_plan_for_orpo_and_kto(tmp_path: Path) -> None:
     """Before: `objective=orpo` was refused in one line (exit 2, memory not modelled)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    for name in ("orpo", "kto"):
-        root = tmp_path / name
+    for name, extra in (("orpo", []), ("kto", ["train.packing=false"]), ("kto", [])):
+        root = tmp_path / f"{name}{len(extra)}"
         write_pairs(root)
         proc = subprocess.run([sys.executable, "-m", "reprotune.plan", f"objective={name}", MODEL,
-                               "data.max_length=2048", f"paths.root={root}"], capture_output=True, text=True,
-                              env=env, cwd=ROOT)
+                               "data.max_length=2048", f"paths.root={root}", *extra], capture_output=True,
+                              text=True, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
-        assert "predicted peak GPU memory" in proc.stdout and f"padded pairs: {name} modelled as" in proc.stdout
+        assert "predicted peak GPU memory" in proc.stdout
         written = json.loads((root / "outputs" / "plan.json").read_text())
         assert written["settings"]["sequences"] == (1 if name == "kto" else 2)
+        if name == "kto" and not extra:  # a GPU packs KTO's rows: each row a document of up to the longest
+            assert "packed micro-batch 2800 tokens (bs 4, max_length 700)" in proc.stdout
+            assert written["settings"]["packing"] and written["settings"]["kl_rows"]
+        else:
+            assert f"padded pairs: {name} modelled as" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------- the shapes
@@ -120,7 +125,7 @@ def test_orpo_counts_the_logits_of_every_position(tmp_path: Path) -> None:
 
 def test_kto_is_b_rows_with_gradients_and_a_kl_batch_without(tmp_path: Path) -> None:
     write_pairs(tmp_path, longest=700, paired=False)
-    forced = ("hardware.gradient_checkpointing=false", "train.per_device_train_batch_size=4")
+    forced = ("hardware.gradient_checkpointing=false", "train.per_device_train_batch_size=4", "train.packing=false")
     run = planned(tmp_path, "objective=kto", *forced)
     s = run.planned
     assert (s.sequences, s.reference, s.kl_rows, s.full_logits) == (1, True, True, False)
@@ -135,6 +140,26 @@ def test_kto_is_b_rows_with_gradients_and_a_kl_batch_without(tmp_path: Path) -> 
     # KTO unpairs a pair into two examples: paired rows give twice the examples, each one sequence
     write_pairs(tmp_path / "p", longest=700, paired=True)
     assert run_data(tmp_path / "p", "kto").examples == 200 and run_data(tmp_path / "p", "orpo").examples == 100
+
+
+def test_packed_kto_rows_are_b_documents_of_the_longest_row_with_the_same_forwards(tmp_path: Path) -> None:
+    """On a GPU KTO's rows are packed (reprotune.preference.packed, share_prompts=False): a micro-batch is B
+    documents of up to the longest prepared row (not the packed DPO pair's length), with the reference and the
+    KL batch's forwards without gradients as padded, and never one row with the KL term."""
+    write_pairs(tmp_path, longest=700, paired=False, packed_longest=1100)
+    forced = ("hardware.gradient_checkpointing=false", "train.per_device_train_batch_size=4")
+    run = planned(tmp_path, "objective=kto", *forced)
+    s = run.planned
+    assert run.packing and run.attn_implementation == "pair_varlen"
+    assert (s.packing, s.sequences, s.reference, s.kl_rows, s.max_length) == (True, 1, True, True, 700)
+    assert run.predicted["tokens_per_micro_batch"] == 4 * 700
+    assert sz_memory.no_grad_forwards(s, run_data(tmp_path, "kto")) == [(4, 700), (4, 700)]
+    assert any(r.startswith("plan: an example is one packed row of up to 700 tokens") for r in run.reasons)
+    assert "kto rows packed: no padding, each row one document (reprotune.preference.packed)" in run.reasons
+    tight = ("train.per_device_train_batch_size=4", "hardware.memory_budget_gib=17", "hardware.embedding_on_host=false")
+    assert planned(tmp_path, "objective=kto", *tight).per_device_train_batch_size == 2  # one row would fit 17 GiB
+    assert planned(tmp_path, "objective=kto", "+objective.loss_type=apo_zero_unpaired", *tight
+                   ).per_device_train_batch_size == 1  # without the KL term, one row
 
 
 def run_data(root: Path, objective: str) -> sz_shape.DataShape:

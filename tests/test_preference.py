@@ -269,8 +269,9 @@ def test_dpo_starts_from_the_sft_adapter_which_is_the_reference(tmp_path: Path, 
 
 @pytest.mark.parametrize(("objective", "fixture", "packing"), [("dpo", "trl_conversational.jsonl", False),
                                                                 ("dpo", "trl_conversational.jsonl", True),
-                                                                ("kto", "kto.jsonl", False)],
-                         ids=["dpo-padded", "dpo-packed", "kto"])
+                                                                ("kto", "kto.jsonl", False),
+                                                                ("kto", "kto.jsonl", True)],
+                         ids=["dpo-padded", "dpo-packed", "kto", "kto-packed"])
 def test_the_reference_forward_leaves_checkpointing_as_train_set_it(tmp_path: Path, objective: str, fixture: str,
                                                                      packing: bool) -> None:
     """TRL 1.16 turns checkpointing off and back on around each reference forward, and the re-enable drops
@@ -342,8 +343,10 @@ def test_decide_plans_packed_dpo_pairs_and_runs_padded_ones_as_configured(tmp_pa
     assert small.predicted["card_gib"] <= 22.0
     roomy = decide(compose([*base, "objective=dpo"]), card("H200"), None, pair_shape(1668, 938.0))
     assert not roomy.activation_checkpointing and roomy.predicted["peak_gib"] > small.predicted["peak_gib"]
+    packed_kto = decide(compose([*base, "objective=kto"]), card("H200"), None, None)  # rows packed, one document each
+    assert packed_kto.packing and packed_kto.planned.max_length == 2048 and packed_kto.planned.kl_rows
     for name in ("kto", "orpo"):
-        padded = decide(compose([*base, f"objective={name}"]), card("H200"), None, None)
+        padded = decide(compose([*base, f"objective={name}", "train.packing=false"]), card("H200"), None, None)
         assert padded.planned is not None and not padded.packing and padded.fits
         assert padded.planned.max_length == 2048 and padded.planned.sequences == (1 if name == "kto" else 2)
         assert any(f"padded pairs: {name} modelled as" in r for r in padded.reasons)

@@ -38,11 +38,21 @@ def pairs() -> list[dict]:
     return rows
 
 
-def _trainer(tmp: Path, preset: str, pack: bool):
+def kto_rows() -> list[dict]:
+    """The pairs unpaired as KTO's rows (prompt, completion, label), as prepare writes them for objective=kto."""
+    return [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+            for pair in pairs() for side in ("chosen", "rejected")]
+
+
+KTO_ROWS = 5  # an odd micro-batch of unpaired rows: nothing is paired by position
+
+
+def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo"):
     from datasets import Dataset
 
-    cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", "objective=dpo",
-                   f"train.packing={pack}", f"train.per_device_train_batch_size={N_PAIRS}",
+    rows = N_PAIRS if objective == "dpo" else KTO_ROWS
+    cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"objective={objective}",
+                   f"train.packing={pack}", f"train.per_device_train_batch_size={rows}",
                    "train.max_steps=1"])
     run = decide(cfg, Hardware("cpu"), None, None)
     assert run.packing is pack
@@ -51,11 +61,12 @@ def _trainer(tmp: Path, preset: str, pack: bool):
     tokenizer = load_tokenizer(model_dir, cfg.model)
     packed.register_pair_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, "cpu", "float32", run.attn_implementation)
-    trainer_class, _ = trl_classes("dpo")
+    trainer_class, _ = trl_classes(objective)
     if pack:
-        trainer_class = packed.packed_dpo_trainer_class(trainer_class)
+        trainer_class = packed.packed_trainer_class(trainer_class, share_prompts=objective == "dpo")
+    data = pairs() if objective == "dpo" else kto_rows()
     trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
-                            train_dataset=Dataset.from_list(pairs()), peft_config=lora_config(cfg, tokenizer))
+                            train_dataset=Dataset.from_list(data), peft_config=lora_config(cfg, tokenizer))
     torch.manual_seed(0)  # LoRA B starts at zero: the policy would equal the reference; perturb it
     for name, param in trainer.model.named_parameters():
         if "lora_B" in name:
@@ -151,3 +162,49 @@ def test_pairs_whose_prompts_differ_are_two_documents() -> None:
     assert shared.shift_labels.tolist() == [[-100, -100, 4, -100, 5, 6, -100]]
     assert shared.layout.q_lengths == [4, 3] and shared.layout.k_lengths == [4, 5]
     assert shared.layout.k_index.tolist() == [0, 1, 2, 3, 0, 1, 2, 5, 6]
+
+
+# ---------------------------------------------------------------------------------------------- KTO's packed rows
+@pytest.fixture(scope="module", params=family_params())
+def kto_both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("packed_kto")
+    return _trainer(tmp, request.param, True, "kto"), _trainer(tmp, request.param, False, "kto")
+
+
+def test_packed_kto_rows_give_the_padded_batch_loss_kl_metrics_and_gradients(kto_both) -> None:
+    """KTO on packed rows (share_prompts=False): every row one document, no padding; the rows, their KL batch and
+    the reference forwards all run packed, and give TRL's padded batch's loss, KL, rewards and LoRA gradients."""
+    packed_trainer, padded_trainer = kto_both
+    batch = next(iter(padded_trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == KTO_ROWS and "KL_input_ids" in batch
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    layout = packed.pack_pairs(batch["input_ids"], batch["attention_mask"], labels, share_prompts=False)
+    assert layout.input_ids.shape[1] == int(batch["attention_mask"].sum()) < batch["input_ids"].numel()
+    assert layout.layout.q_lengths == layout.layout.k_lengths == batch["attention_mask"].sum(1).tolist()
+    calls = []
+    model = packed_trainer.model.get_base_model()
+    wrapped = model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("labels") is not None and kwargs.get("fused_lm_head"))
+        return wrapped(*args, **kwargs)
+
+    model.forward = counting
+    try:
+        loss_p, grads_p, metrics_p = loss_and_grads(packed_trainer)
+    finally:
+        model.forward = wrapped
+    # the rows and the KL batch through the policy, then both through the reference: four packable calls
+    assert calls == [True] * 4
+    loss_u, grads_u, metrics_u = loss_and_grads(padded_trainer)
+    assert loss_p == pytest.approx(loss_u, abs=1e-5) and loss_u > 0.05
+    kl_p = packed_trainer._metrics["train"]["kl"][-1]
+    assert kl_p == pytest.approx(padded_trainer._metrics["train"]["kl"][-1], abs=1e-4)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"} <= metrics_u.keys()
+    for key, value in metrics_u.items():
+        assert metrics_p[key] == pytest.approx(value, abs=1e-4), key
+    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
+    for name, g in grads_u.items():
+        scale = float(g.abs().max())
+        assert scale > 0, name
+        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name

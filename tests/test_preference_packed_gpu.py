@@ -90,7 +90,7 @@ def test_a_dpo_step_on_packed_pairs_matches_the_padded_batch_in_bf16(tmp_path) -
         model = load_base_model(model_dir, cfg, "cuda", "bfloat16", run.attn_implementation).cuda()
         trainer_class, _ = trl_classes("dpo")
         if pack:
-            trainer_class = packed.packed_dpo_trainer_class(trainer_class)
+            trainer_class = packed.packed_trainer_class(trainer_class)
         trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
                                 train_dataset=Dataset.from_list(pairs()), peft_config=lora_config(cfg, tokenizer))
         torch.manual_seed(0)

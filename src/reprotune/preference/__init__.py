@@ -16,6 +16,9 @@ from reprotune.config import PREFERENCE_OBJECTIVES
 
 # objectives with a reference model (the implicit reward is log pi/pi_ref); ORPO has none
 WITH_REFERENCE = ("dpo", "kto")
+# objectives whose TRL trainer calls the model's fused LM head, which reprotune.preference.packed wraps to run
+# packed rows (DPO's pairs with the prompt once, KTO's rows each a document); ORPO's trainer takes every logit
+PACKED_OBJECTIVES = ("dpo", "kto")
 # the two composed configs DVC's stages run with (reprotune.config.dump_chain_params writes both)
 SFT_PARAMS, PREF_PARAMS = "params", "params_pref"
 

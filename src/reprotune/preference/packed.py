@@ -1,4 +1,5 @@
-"""DPO on packed pairs: padding-free, with each pair's prompt computed once (issue #26, the GPU fast path).
+"""DPO on packed pairs, KTO on packed rows: padding-free, each DPO pair's prompt computed once (issue #26, the GPU
+fast path).
 
 TRL 1.16's DPOTrainer pads a micro-batch of B pairs into 2B rows (prompt + chosen, then prompt + rejected, right
 padding: its padding-free mode is disabled) and runs the policy and the reference over all of them, so every pair
@@ -16,6 +17,10 @@ into one row before the model sees them, pair by pair:
   TRL's padded rows: each answer's per-token log-probabilities, the loss and the gradients are those of the padded
   batch (tests/test_preference_packed.py, in float32 on the CPU), computed on P + C + 1 + R tokens instead of
   2 * max(P + C, P + R) per pair.
+
+KTO's rows are unpaired examples (a prompt and one completion, and its KL batch of mismatched ones): packed
+with `share_prompts=False`, each row is its own causal document (no padding; the prompt of each row computed, as
+in the padded batch), through the same attention and the same way back to TRL's padded per-token outputs.
 
 A pair whose two rows do not start with the same prompt (truncation from the end) is packed as two independent
 documents. The per-token outputs (TRL's fused LM head, called with `shift_labels`) are scattered back into the
@@ -72,9 +77,10 @@ def _starts(lengths: list[int]) -> list[int]:
     return out
 
 
-def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any) -> Packed:
+def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: bool = True) -> Packed:
     """The packed row of TRL's padded pair batch (rows 0..B-1 chosen, B..2B-1 rejected, right padding; labels =
-    input_ids with -100 outside the completion)."""
+    input_ids with -100 outside the completion); share_prompts=False: every row its own document (KTO's
+    unpaired rows)."""
     import torch
 
     device = input_ids.device
@@ -110,6 +116,10 @@ def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any) -> Packed:
             back_pos.append(start + t)
         return start
 
+    if not share_prompts:
+        for row in range(n_rows):
+            whole(row, sum(mask[row]))
+        pairs = 0
     for i in range(pairs):
         c, r = i, pairs + i
         len_c, len_r = sum(mask[c]), sum(mask[r])
@@ -251,8 +261,9 @@ def unpack_outputs(packed: Packed, outputs: Any) -> Any:
 PACKABLE_KEYS = {"input_ids", "attention_mask", "use_cache", "labels", "fused_lm_head"}
 
 
-def packing_forward(fused_forward: Any) -> Any:
-    """Wrap TRL's fused-LM-head forward: a call on a padded pair batch runs on its packed row instead."""
+def packing_forward(fused_forward: Any, share_prompts: bool = True) -> Any:
+    """Wrap TRL's fused-LM-head forward: a call on a padded pair batch (share_prompts=False: a batch of unpaired
+    rows) runs on its packed row instead."""
 
     @functools.wraps(fused_forward)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -265,7 +276,7 @@ def packing_forward(fused_forward: Any) -> Any:
             import torch
 
             mask = torch.ones_like(ids)
-        packed = pack_pairs(ids, mask, kwargs["labels"])
+        packed = pack_pairs(ids, mask, kwargs["labels"], share_prompts)
         outputs = fused_forward(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                                 shift_labels=packed.shift_labels, fused_lm_head=True, use_cache=False,
                                 pair_layout=packed.layout)
@@ -274,16 +285,17 @@ def packing_forward(fused_forward: Any) -> Any:
     return forward
 
 
-def packed_dpo_trainer_class(base: type) -> type:
-    """A DPOTrainer (subclass `base`) whose model calls run on packed pairs (see the module docstring)."""
+def packed_trainer_class(base: type, share_prompts: bool = True) -> type:
+    """A DPOTrainer or KTOTrainer (subclass `base`) whose model calls run on packed rows (see the module
+    docstring): DPO's pairs with their prompt shared, KTO's rows (share_prompts=False) each a document."""
 
-    class PackedPairsDPOTrainer(base):
+    class PackedPreferenceTrainer(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             from accelerate.utils import is_peft_model
 
             target = self.model.get_base_model() if is_peft_model(self.model) else self.model
-            target.forward = types.MethodType(packing_forward(target.forward), target)
+            target.forward = types.MethodType(packing_forward(target.forward, share_prompts), target)
 
-    PackedPairsDPOTrainer.__name__ = PackedPairsDPOTrainer.__qualname__ = f"PackedPairs{base.__name__}"
-    return PackedPairsDPOTrainer
+    PackedPreferenceTrainer.__name__ = PackedPreferenceTrainer.__qualname__ = f"Packed{base.__name__}"
+    return PackedPreferenceTrainer

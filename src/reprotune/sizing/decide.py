@@ -28,7 +28,7 @@ from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
 from reprotune.models import random_init_architecture
-from reprotune.preference import WITH_REFERENCE, is_preference, objective_name
+from reprotune.preference import PACKED_OBJECTIVES, WITH_REFERENCE, is_preference, objective_name
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import GIB, Settings, input_embedding_bytes, memory_budget, needed_bytes
@@ -141,19 +141,19 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     offload = None if _auto(offload) else bool(offload)
     tiled = h.get("tiled_mlp", "auto")
     tiled = None if _auto(tiled) else bool(tiled)
-    if objective_name(cfg) == "dpo" and cfg.train.get("packing") is not False:
-        # packed DPO pairs: the tiled MLP's recompute does not match its forward there (torch.utils.checkpoint's
+    if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
+        # packed DPO pairs (KTO's packed rows take the same model call): the tiled MLP's recompute does not match its forward there (torch.utils.checkpoint's
         # CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668 tokens); never picked, refused when forced
         if tiled:
-            raise ReprotuneError("hardware.tiled_mlp=true: not with DPO's packed pairs (the tiled MLP's recompute "
-                                 "fails there); leave it auto, or set train.packing=false")
+            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {objective_name(cfg).upper()}'s packed rows (the "
+                                 "tiled MLP's recompute fails there); leave it auto, or set train.packing=false")
         tiled = False
         # offloading, measured on the H200 (8B LoRA, 8 pairs a micro-step): 4,133 tokens/s against 8,227 with 4
         # pairs kept on the GPU; every micro-step's row has another length, so its pinned host buffers are new
         # allocations each time. Only when asked for.
         offload = False if offload is None else offload
     elif is_preference(cfg):
-        # padded pairs (ORPO, KTO, unpacked DPO): neither has run on a GPU with TRL's preference trainers (packed
+        # padded pairs (ORPO, unpacked DPO and KTO): neither has run on a GPU with TRL's preference trainers (packed
         # DPO pairs broke the tiled MLP's recompute; ORPOConfig has no offloading switch); only when asked for
         tiled = False if tiled is None else tiled
         offload = False if offload is None else offload
@@ -202,13 +202,17 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     # DPO's packed pairs compute what TRL's padded pairs do (tests/test_preference_packed.py) with each prompt once:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
-    dpo = is_preference(cfg) and objective_name(cfg) == "dpo"
+    # KTO's packed rows only where the fast path is (the CPU keeps TRL's padded batch, and its bytes)
+    name = objective_name(cfg)
+    dpo = is_preference(cfg) and name == "dpo"
     packing = (fast or dpo) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-    if is_preference(cfg) and packing and objective_name(cfg) != "dpo":  # TRL 1.16's ORPO/KTO trainers pad
+    if is_preference(cfg) and packing and name not in PACKED_OBJECTIVES:  # TRL 1.16's ORPO trainer takes all logits
         packing = False
-        reasons.append(f"packing off: {objective_name(cfg)} pairs are padded (TRL 1.16; reprotune packs DPO's)")
-    elif is_preference(cfg) and packing:
+        reasons.append(f"packing off: {name} pairs are padded (TRL 1.16; reprotune packs DPO's pairs and KTO's rows)")
+    elif dpo and packing:
         reasons.append("pairs packed: no padding, each prompt computed once (reprotune.preference.packed)")
+    elif is_preference(cfg) and packing:
+        reasons.append(f"{name} rows packed: no padding, each row one document (reprotune.preference.packed)")
     attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.get("liger_kernel", "auto")
@@ -304,15 +308,16 @@ def _why_embedding_stays(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> 
 
 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
-    """DPO on packed pairs (reprotune.preference.packed): modelled as packed rows, one pair per row."""
-    return objective_name(cfg) == "dpo" and p.packing
+    """DPO on packed pairs, KTO on packed rows (reprotune.preference.packed): modelled as packed rows, one pair
+    (one KTO example) per row."""
+    return objective_name(cfg) in PACKED_OBJECTIVES and p.packing
 
 
 def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
-    """The longest packed pair: from the prepared pairs, else its bound (a prompt and two answers, each sequence
-    at most data.max_length: 2 * max_length)."""
+    """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
+    each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
     data = load_data_shape(cfg, padded=False) if data == "prepared" else data
-    return data.max_tokens if data else 2 * int(cfg.train.max_length)
+    return data.max_tokens if data else (2 if objective_name(cfg) == "dpo" else 1) * int(cfg.train.max_length)
 
 
 def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
@@ -378,7 +383,10 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
     ckpt = cfg.hardware.gradient_checkpointing
     attn = p.attn or "sdpa"
     offload, tiled = long_context_switches(cfg, "cuda")  # forced on: in the view; auto: the fit adds them
-    padded = padded_batch(cfg) if padded_preference(cfg, p) else {}
+    # a packed DPO pair is one row; KTO's rows are the same packed or padded (one sequence each, the reference and
+    # the KL batch's forwards without gradients, at least two rows: TRL refuses one with the KL term)
+    kto = objective_name(cfg) == "kto"
+    padded = padded_batch(cfg) if padded_preference(cfg, p) or kto else {}
     if packed_pairs(cfg, p):
         max_length = pair_row_tokens(cfg, data)
     elif padded:
@@ -437,9 +445,12 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         shape = None
     padded = padded_preference(cfg, p)
     data = load_data_shape(cfg, padded=padded) if data == "prepared" else data
-    if shape is not None and packed_pairs(cfg, p):
+    if shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "dpo":
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers); the reference forward runs without gradients")
+    elif shape is not None and packed_pairs(cfg, p):
+        reasons.append(f"plan: an example is one packed row of up to {pair_row_tokens(cfg, data)} tokens; the KL "
+                       "batch and the reference forwards run without gradients")
     planned = _memory_view(cfg, p, data) if shape else None
     rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
     ckpt, every = cfg.hardware.gradient_checkpointing, every_n_layers(cfg)

@@ -220,7 +220,7 @@ def padded_shape_from_prepared(prepared: Path | str, objective: str) -> dict[str
 def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | None:
     """The prepared training data's shape: conversations, or (a preference objective) packed pairs, or with
     `padded` the padded rows of TRL's preference trainers (None: DPO with train.packing other than false is
-    packed, as on the GPU; ORPO, KTO and unpacked DPO are padded)."""
+    packed, as on the GPU; ORPO, KTO and unpacked DPO are padded; KTO's rows are the same packed or padded)."""
     from reprotune.preference import is_preference, objective_name
 
     # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
@@ -231,6 +231,8 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | 
         name = objective_name(cfg)
         if padded is None:
             padded = name != "dpo" or cfg.train.get("packing") is False
-        found = padded_shape_from_prepared(prepared, name) if padded else pair_shape_from_prepared(prepared)
+        # KTO's rows are the same sequences packed or padded: only DPO's packed pairs are counted another way
+        found = (pair_shape_from_prepared(prepared) if name == "dpo" and not padded
+                 else padded_shape_from_prepared(prepared, name))
         return DataShape(**found) if found else None
     return DataShape(**data_shape_from_prepared(prepared))
