@@ -11,9 +11,9 @@ invocation (issue #26).
     layers, batch 4 x grad-accum 4 pairs, max_length 2048, gradient checkpointing, bf16, the reference = the base
     with the adapter disabled (TRL's default for a PEFT model); `trl:qlora` the same on 4-bit NF4.
 (b) `ours:*`: `python -m reprotune.train objective=dpo` with its GPU defaults (hardware=gpu), the same pairs, batch,
-    learning rate and beta; `ours:<method>@orpo` / `@kto` trains that objective instead (TRL pads ORPO's and KTO's
-    batches: the plan's padded-pair model, uncalibrated until such runs are recorded in conf/plan/calibration.json;
-    KTO unpairs each pair into two examples, so its 16 examples a step are 8 pairs' sequences).
+    learning rate and beta; `ours:<method>@orpo` / `@kto` trains that objective instead (TRL pads ORPO's batches;
+    KTO's rows are packed on the GPU, `~train.packing=false` gives TRL's padded batch; KTO unpairs each pair into
+    two examples, so its 16 examples a step are 8 pairs' sequences).
 Data: 400 seed-shaped pairs (bench/seed_recipe.py's examples: the system and user turns are the prompt, the
 answer is chosen, a same-length answer of other words rejected); a pair's tokens are counted as the issue does,
 prompt twice: prompt + chosen + prompt + rejected (mean ~1,300). Tokens/s = 16 pairs' tokens per optimizer step
