@@ -441,8 +441,12 @@ def test_make_plan_plans_packed_dpo_and_padded_pairs(tmp_path: Path) -> None:
     plan = make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=dpo"]))
     assert json.dumps(plan) and plan["settings"]["packing"]  # the whole plan, JSON-able
     kto = make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=kto"]))
-    assert not kto["settings"]["packing"] and kto["memory"]["peak_gib"] > 0
-    assert any("held to one H200 run each" in r for r in kto["reasons"])
+    assert kto["settings"]["packing"] and kto["memory"]["peak_gib"] > 0  # KTO's rows packed on a GPU
+    assert any(r.startswith("plan: an example is one packed row") for r in kto["reasons"])
+    padded = make_plan(compose([f"paths.root={tmp_path}", "model=qwen3_8b_random", "objective=kto",
+                                "train.packing=false"]))
+    assert not padded["settings"]["packing"] and padded["memory"]["peak_gib"] > 0
+    assert any("held to one H200 run each" in r for r in padded["reasons"])
 
 
 # ------------------------------------------------------------------------- eval of text pairs and KTO rows

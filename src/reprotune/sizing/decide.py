@@ -145,8 +145,9 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
         # packed DPO pairs (KTO's packed rows take the same model call): the tiled MLP's recompute does not match its forward there (torch.utils.checkpoint's
         # CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668 tokens); never picked, refused when forced
         if tiled:
-            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {objective_name(cfg).upper()}'s packed rows (the "
-                                 "tiled MLP's recompute fails there); leave it auto, or set train.packing=false")
+            packed = "DPO's packed pairs" if objective_name(cfg) == "dpo" else "KTO's packed rows"
+            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {packed} (the tiled MLP's recompute fails "
+                                 "there); leave it auto, or set train.packing=false")
         tiled = False
         # offloading, measured on the H200 (8B LoRA, 8 pairs a micro-step): 4,133 tokens/s against 8,227 with 4
         # pairs kept on the GPU; every micro-step's row has another length, so its pinned host buffers are new
