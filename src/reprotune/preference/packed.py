@@ -116,11 +116,10 @@ def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: 
             back_pos.append(start + t)
         return start
 
-    if not share_prompts:
+    if not share_prompts:  # KTO's unpaired rows: each its own document
         for row in range(n_rows):
             whole(row, sum(mask[row]))
-        pairs = 0
-    for i in range(pairs):
+    for i in range(pairs if share_prompts else 0):
         c, r = i, pairs + i
         len_c, len_r = sum(mask[c]), sum(mask[r])
         prompt_c = next((t for t in range(len_c) if lab[c][t] != -100), len_c)

@@ -142,8 +142,9 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     tiled = h.get("tiled_mlp", "auto")
     tiled = None if _auto(tiled) else bool(tiled)
     if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
-        # packed DPO pairs (KTO's packed rows take the same model call): the tiled MLP's recompute does not match its forward there (torch.utils.checkpoint's
-        # CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668 tokens); never picked, refused when forced
+        # packed DPO pairs (KTO's packed rows take the same model call): the tiled MLP's recompute does not match
+        # its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
+        # tokens); never picked, refused when forced
         if tiled:
             packed = "DPO's packed pairs" if objective_name(cfg) == "dpo" else "KTO's packed rows"
             raise ReprotuneError(f"hardware.tiled_mlp=true: not with {packed} (the tiled MLP's recompute fails "
