@@ -208,3 +208,48 @@ def test_packed_kto_rows_give_the_padded_batch_loss_kl_metrics_and_gradients(kto
         scale = float(g.abs().max())
         assert scale > 0, name
         assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+# ------------------------------------------------------------------------------------ packed with the batch
+def _training_step(trainer, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # what train() sets before its first step
+    loss = trainer.training_step(trainer.model, batch)
+    return float(loss), {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_the_collator_packs_each_batch_on_the_host_and_the_step_packs_nothing_more(
+        objective: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed trainer's collator packs the micro-batch (DPO's pairs; KTO's rows and its KL batch) on the host,
+    and with the input embedding on the host gathers its rows there too; a training step then packs and gathers
+    nothing (every model call, policy and reference, finds its rows by its input_ids: no read-back of the ids
+    from the device) and gives the padded trainer's loss and LoRA gradients. Qwen3 (untied embedding)."""
+    from reprotune.host_embedding import embedding_on_host
+
+    packed_trainer = _trainer(tmp_path, "tiny_random_qwen3", True, objective)
+    padded_trainer = _trainer(tmp_path, "tiny_random_qwen3", False, objective)
+    loss_u, grads_u = _training_step(padded_trainer, next(iter(padded_trainer.get_train_dataloader())))
+    keys = [k for k in ("packed", "KL_packed") if objective == "kto" or k == "packed"]
+    emb = packed_trainer.model.get_input_embeddings()
+    with embedding_on_host(packed_trainer.model, active=True):
+        batch = next(iter(packed_trainer.get_train_dataloader()))
+        for ids_key, packed_key in (("input_ids", "packed"), ("KL_input_ids", "KL_packed"))[:len(keys)]:
+            rows = batch[packed_key]
+            assert isinstance(rows, packed.Packed) and rows.input_ids.shape[1] < batch[ids_key].numel()
+            assert torch.equal(rows.host_rows, emb.weight[rows.host_ids][None])  # the table's rows, gathered
+        made = []
+        for module, name in ((packed, "pack_pairs"), (__import__("reprotune.host_embedding").host_embedding,
+                                                      "gather_rows")):
+            original = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: made.append(_n) or _o(*a, **k))
+        loss_p, grads_p = _training_step(packed_trainer, batch)
+        monkeypatch.undo()
+    assert made == []
+    assert loss_p == pytest.approx(loss_u, abs=1e-5) and loss_u > 0.05
+    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
+    for name, g in grads_u.items():
+        scale = float(g.abs().max())
+        assert scale > 0, name
+        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name

@@ -35,8 +35,10 @@ and repro=strict on a GPU: deterministic). reprotune.runtime.attention picks one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,13 @@ class PairLayout:
     max_q: int
     max_k: int
 
+    def to(self, device: Any, non_blocking: bool = False) -> PairLayout:
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device, non_blocking=non_blocking)
+                                            for f in ("k_index", "cu_q", "cu_k")})
+
+    def pin_memory(self, *_: Any) -> PairLayout:
+        return dataclasses.replace(self, **{f: getattr(self, f).pin_memory() for f in ("k_index", "cu_q", "cu_k")})
+
 
 @dataclass
 class Packed:
@@ -67,6 +76,21 @@ class Packed:
     cols: Any
     positions: Any
     shape: tuple[int, int]       # the padded (2B, T - 1) layout of TRL's per-token outputs
+    host_ids: Any = None         # (N,) input_ids on the CPU: the host embedding gathers from them, no sync
+    host_rows: Any = None        # (1, N, hidden) the host embedding's rows, gathered with the batch (or None)
+
+    DEVICE_FIELDS = ("input_ids", "position_ids", "shift_labels", "rows", "cols", "positions")
+
+    def to(self, device: Any, non_blocking: bool = False) -> Packed:
+        """On `device` (accelerate's send_to_device moves a batch's values with .to); host_ids and host_rows stay on
+        the host."""
+        moved = {f: getattr(self, f).to(device, non_blocking=non_blocking) for f in self.DEVICE_FIELDS}
+        return dataclasses.replace(self, layout=self.layout.to(device, non_blocking), **moved)
+
+    def pin_memory(self, *_: Any) -> Packed:
+        """Page-locked (the DataLoader's pin_memory), so the copies to the GPU run without a synchronisation."""
+        pinned = {f: getattr(self, f).pin_memory() for f in self.DEVICE_FIELDS}
+        return dataclasses.replace(self, layout=self.layout.pin_memory(), **pinned)
 
 
 def _starts(lengths: list[int]) -> list[int]:
@@ -146,15 +170,17 @@ def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: 
             back_pos.append(start + t - (p - 1))
 
     def tensor(values: list[int], dtype=torch.long) -> Any:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return torch.tensor(values, dtype=dtype)
 
-    cu_q = torch.tensor(_starts(q_lengths) + [sum(q_lengths)], dtype=torch.int32, device=device)
-    cu_k = torch.tensor(_starts(k_lengths) + [sum(k_lengths)], dtype=torch.int32, device=device)
+    cu_q = tensor(_starts(q_lengths) + [sum(q_lengths)], torch.int32)
+    cu_k = tensor(_starts(k_lengths) + [sum(k_lengths)], torch.int32)
     layout = PairLayout(q_starts=_starts(q_lengths), q_lengths=q_lengths, k_index=tensor(k_index),
                         k_lengths=k_lengths, cu_q=cu_q, cu_k=cu_k, max_q=max(q_lengths), max_k=max(k_lengths))
-    return Packed(input_ids=tensor(tokens)[None], position_ids=tensor(positions)[None],
-                  shift_labels=tensor(shift)[None], layout=layout, rows=tensor(back_rows), cols=tensor(back_cols),
-                  positions=tensor(back_pos), shape=(n_rows, width - 1))
+    host_ids = tensor(tokens)
+    packed = Packed(input_ids=host_ids[None], position_ids=tensor(positions)[None],
+                    shift_labels=tensor(shift)[None], layout=layout, rows=tensor(back_rows), cols=tensor(back_cols),
+                    positions=tensor(back_pos), shape=(n_rows, width - 1), host_ids=host_ids)
+    return packed if device.type == "cpu" else packed.to(device)
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -258,24 +284,77 @@ def unpack_outputs(packed: Packed, outputs: Any) -> Any:
 
 
 PACKABLE_KEYS = {"input_ids", "attention_mask", "use_cache", "labels", "fused_lm_head"}
+# the padded tensors of TRL 1.16's preference collators that a model call runs on (DPO's pairs and KTO's rows; KTO's
+# KL batch), each with the packed row the collator adds for it
+BATCH_KEYS = (("input_ids", "attention_mask", "completion_mask", "packed"),
+              ("KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_packed"))
 
 
-def packing_forward(fused_forward: Any, share_prompts: bool = True) -> Any:
+class PrepackedRows:
+    """The packed rows of the micro-batch on the device, by the padded input_ids tensor they were packed from: the
+    model calls of a micro-step (policy, reference, KTO's KL batch) find theirs without packing again. An entry
+    lives as long as its input_ids tensor (ids are reused, so the tensor itself is checked)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Any, Packed]] = {}
+
+    def add(self, input_ids: Any, packed: Packed) -> None:
+        key = id(input_ids)
+        self._by_id[key] = (weakref.ref(input_ids, lambda _: self._by_id.pop(key, None)), packed)
+
+    def get(self, input_ids: Any) -> Packed | None:
+        ref, packed = self._by_id.get(id(input_ids), (None, None))
+        return packed if ref is not None and ref() is input_ids else None
+
+
+def packing_collator(collate: Any, share_prompts: bool, model: Any) -> Any:
+    """TRL's collator, then each padded batch packed on the host, where it costs no synchronisation and the GPU
+    is still busy with the previous micro-step; with the input embedding on the host, its rows gathered too
+    (reprotune.host_embedding). The labels are TRL's: input_ids with -100 outside the completion mask."""
+    from reprotune.host_embedding import gather_rows, host_table
+
+    @functools.wraps(collate)
+    def collator(examples: list[dict]) -> dict[str, Any]:
+        batch = collate(examples)
+        table = host_table(model)
+        for ids_key, mask_key, completion_key, packed_key in BATCH_KEYS:
+            if ids_key not in batch or completion_key not in batch:
+                continue
+            ids = batch[ids_key]
+            labels = ids.masked_fill(batch[completion_key] == 0, -100)
+            packed = pack_pairs(ids, batch[mask_key], labels, share_prompts)
+            if table is not None:
+                packed.host_rows = gather_rows(table, packed.host_ids)[None]
+            batch[packed_key] = packed
+        return batch
+
+    return collator
+
+
+def packing_forward(fused_forward: Any, share_prompts: bool = True, prepacked: PrepackedRows | None = None) -> Any:
     """Wrap TRL's fused-LM-head forward: a call on a padded pair batch (share_prompts=False: a batch of unpaired
-    rows) runs on its packed row instead."""
+    rows) runs on its packed row instead (the collator's, from `prepacked`, else packed here)."""
 
     @functools.wraps(fused_forward)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # a batch handed over whole, not through _prepare_inputs (TRL's precompute_ref_log_probs loop), brings the
+        # collator's packed rows, which cannot tell the call's own (KTO's KL call gets the rows'): packed here again
+        for _, _, _, packed_key in BATCH_KEYS:
+            kwargs.pop(packed_key, None)
         # PEFT hands on its own switches unset (output_attentions=None, ...): anything else set is not a pair batch
         extra = {k for k, v in kwargs.items() if k not in PACKABLE_KEYS and v is not None}
         if args or extra or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
             return fused_forward(*args, **kwargs)
         ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
-        if mask is None:
+        packed = prepacked.get(ids) if prepacked is not None else None
+        if packed is None:
             import torch
 
-            mask = torch.ones_like(ids)
-        packed = pack_pairs(ids, mask, kwargs["labels"], share_prompts)
+            mask = torch.ones_like(ids) if mask is None else mask
+            packed = pack_pairs(ids, mask, kwargs["labels"], share_prompts)
+        from reprotune.host_embedding import offer_rows
+
+        offer_rows(self.get_input_embeddings(), packed.input_ids, packed.host_rows, packed.host_ids)
         outputs = fused_forward(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                                 shift_labels=packed.shift_labels, fused_lm_head=True, use_cache=False,
                                 pair_layout=packed.layout)
@@ -286,15 +365,30 @@ def packing_forward(fused_forward: Any, share_prompts: bool = True) -> Any:
 
 def packed_trainer_class(base: type, share_prompts: bool = True) -> type:
     """A DPOTrainer or KTOTrainer (subclass `base`) whose model calls run on packed rows (see the module
-    docstring): DPO's pairs with their prompt shared, KTO's rows (share_prompts=False) each a document."""
+    docstring): DPO's pairs with their prompt shared, KTO's rows (share_prompts=False) each a document. Its
+    collator packs each micro-batch on the host (packing_collator); the batch's copies to the GPU do not wait for
+    the GPU (pinned memory, non_blocking: trainer_args)."""
 
     class PackedPreferenceTrainer(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             from accelerate.utils import is_peft_model
 
+            self._prepacked = PrepackedRows()
             target = self.model.get_base_model() if is_peft_model(self.model) else self.model
-            target.forward = types.MethodType(packing_forward(target.forward, share_prompts), target)
+            target.forward = types.MethodType(packing_forward(target.forward, share_prompts, self._prepacked),
+                                              target)
+            self.data_collator = packing_collator(self.data_collator, share_prompts, self.model)
+
+        def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+            inputs = super()._prepare_inputs(inputs)
+            for ids_key, _, _, packed_key in BATCH_KEYS:
+                packed = inputs.pop(packed_key, None)
+                if packed is not None:
+                    device = inputs[ids_key].device
+                    self._prepacked.add(inputs[ids_key], packed if packed.input_ids.device == device
+                                        else packed.to(device))
+            return inputs
 
     PackedPreferenceTrainer.__name__ = PackedPreferenceTrainer.__qualname__ = f"Packed{base.__name__}"
     return PackedPreferenceTrainer
