@@ -11,7 +11,7 @@ invocation (issue #26).
     layers, batch 4 x grad-accum 4 pairs, max_length 2048, gradient checkpointing, bf16, the reference = the base
     with the adapter disabled (TRL's default for a PEFT model); `trl:qlora` the same on 4-bit NF4.
 (b) `ours:*`: `python -m reprotune.train objective=dpo` with its GPU defaults (hardware=gpu), the same pairs, batch,
-    learning rate and beta; `ours:<method>@orpo` / `@kto` trains that objective instead (TRL pads ORPO's batches;
+    learning rate and beta; `ours:<method>@orpo` / `@kto` trains that objective instead (ORPO's pairs are packed too;
     KTO's rows are packed on the GPU, `~train.packing=false` gives TRL's padded batch; KTO unpairs each pair into
     two examples, so its 16 examples a step are 8 pairs' sequences).
 Data: 400 seed-shaped pairs (bench/seed_recipe.py's examples: the system and user turns are the prompt, the

@@ -25,7 +25,8 @@ from reprotune.sizing import shape as sz_shape
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 MODEL = "model=qwen3_8b_random"
-PADDED = [("orpo",), ("kto", "train.packing=false"), ("dpo", "train.packing=false")]  # a GPU packs DPO's and KTO's
+# a GPU packs DPO's and ORPO's pairs and KTO's rows: padded with packing off
+PADDED = [("orpo", "train.packing=false"), ("kto", "train.packing=false"), ("dpo", "train.packing=false")]
 
 
 def write_pairs(root: Path, longest: int = 700, mean: float = 500.0, n: int = 100, paired: bool = True,
@@ -77,7 +78,8 @@ def test_padded_preference_runs_are_planned_not_refused(over: tuple[str, ...], t
 def test_make_plan_command_prints_a_plan_for_orpo_and_kto(tmp_path: Path) -> None:
     """Before: `objective=orpo` was refused in one line (exit 2, memory not modelled)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    for name, extra in (("orpo", []), ("kto", ["train.packing=false"]), ("kto", [])):
+    for name, extra in (("orpo", ["train.packing=false"]), ("orpo", []), ("kto", ["train.packing=false"]),
+                        ("kto", [])):
         root = tmp_path / f"{name}{len(extra)}"
         write_pairs(root)
         proc = subprocess.run([sys.executable, "-m", "reprotune.plan", f"objective={name}", MODEL,
@@ -86,11 +88,14 @@ def test_make_plan_command_prints_a_plan_for_orpo_and_kto(tmp_path: Path) -> Non
         assert proc.returncode == 0, proc.stderr
         assert "predicted peak GPU memory" in proc.stdout
         written = json.loads((root / "outputs" / "plan.json").read_text())
-        assert written["settings"]["sequences"] == (1 if name == "kto" else 2)
         if name == "kto" and not extra:  # a GPU packs KTO's rows: each row a document of up to the longest
             assert "packed micro-batch 2800 tokens (bs 4, max_length 700)" in proc.stdout
             assert written["settings"]["packing"] and written["settings"]["kl_rows"]
+        elif not extra:  # and ORPO's pairs: each pair one row of up to the longest packed pair
+            assert "packed micro-batch 4400 tokens (bs 4, max_length 1100)" in proc.stdout
+            assert written["settings"]["packing"] and not written["settings"]["full_logits"]
         else:
+            assert written["settings"]["sequences"] == (1 if name == "kto" else 2)
             assert f"padded pairs: {name} modelled as" in proc.stdout
 
 
@@ -111,11 +116,16 @@ def test_dpo_and_orpo_pairs_are_2b_rows_of_the_longest_sequence(over: tuple[str,
             == sft.predicted["parts_gib"]["activations_no_checkpointing"])
 
 
-def test_orpo_counts_the_logits_of_every_position(tmp_path: Path) -> None:
-    """TRL's ORPO trainer takes outputs.logits (no fused LM head): its loss head grows with rows x vocabulary."""
-    write_pairs(tmp_path, longest=700)
+def test_padded_orpo_counts_the_logits_of_every_position(tmp_path: Path) -> None:
+    """TRL's ORPO trainer takes outputs.logits (no fused LM head): its loss head grows with rows x vocabulary. The
+    packed pairs go through TRL's fused LM head: no logits, every packed token scored (the chosen NLL)."""
+    write_pairs(tmp_path, longest=700, packed_longest=1100)
     forced = ("hardware.gradient_checkpointing=true", "train.per_device_train_batch_size=4")
-    orpo = planned(tmp_path, "objective=orpo", *forced)
+    orpo = planned(tmp_path, "objective=orpo", "train.packing=false", *forced)
+    packed = planned(tmp_path, "objective=orpo", *forced)
+    assert packed.planned.packing and not packed.planned.full_logits and packed.planned.max_length == 1100
+    assert any("every token scored by the fused LM head" in r for r in packed.reasons)
+    assert orpo.predicted["parts_gib"]["logits_loss"] > 5 * packed.predicted["parts_gib"]["logits_loss"]
     dpo = planned(tmp_path, "objective=dpo", "train.packing=false", *forced)
     shape = sz_shape.model_shape(cfg_for(tmp_path).model)
     logits = 2 * 4 * 700 * shape.vocab * 2  # bf16 logits of the 8 rows
@@ -250,7 +260,8 @@ def test_preflight_fits_a_padded_run_to_its_budget(tmp_path: Path) -> None:
     """hardware.gradient_checkpointing=auto: rows, accumulation and checkpointing fitted to the budget as for SFT
     rows, the global batch kept."""
     write_pairs(tmp_path, longest=700)
-    batch = ("objective=orpo", "train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2")
+    batch = ("objective=orpo", "train.packing=false", "train.per_device_train_batch_size=8",
+             "train.gradient_accumulation_steps=2")
     roomy, tight, tighter = (planned(tmp_path, *batch, *budget) for budget in
                              ((), ("hardware.memory_budget_gib=48",), ("hardware.memory_budget_gib=36",)))
     assert not roomy.activation_checkpointing and tight.activation_checkpointing

@@ -270,8 +270,9 @@ def test_dpo_starts_from_the_sft_adapter_which_is_the_reference(tmp_path: Path, 
 @pytest.mark.parametrize(("objective", "fixture", "packing"), [("dpo", "trl_conversational.jsonl", False),
                                                                 ("dpo", "trl_conversational.jsonl", True),
                                                                 ("kto", "kto.jsonl", False),
-                                                                ("kto", "kto.jsonl", True)],
-                         ids=["dpo-padded", "dpo-packed", "kto", "kto-packed"])
+                                                                ("kto", "kto.jsonl", True),
+                                                                ("orpo", "trl_conversational.jsonl", True)],
+                         ids=["dpo-padded", "dpo-packed", "kto", "kto-packed", "orpo-packed"])
 def test_the_reference_forward_leaves_checkpointing_as_train_set_it(tmp_path: Path, objective: str, fixture: str,
                                                                      packing: bool) -> None:
     """TRL 1.16 turns checkpointing off and back on around each reference forward, and the re-enable drops
@@ -345,6 +346,9 @@ def test_decide_plans_packed_dpo_pairs_and_runs_padded_ones_as_configured(tmp_pa
     assert not roomy.activation_checkpointing and roomy.predicted["peak_gib"] > small.predicted["peak_gib"]
     packed_kto = decide(compose([*base, "objective=kto"]), card("H200"), None, None)  # rows packed, one document each
     assert packed_kto.packing and packed_kto.planned.max_length == 2048 and packed_kto.planned.kl_rows
+    packed_orpo = decide(compose([*base, "objective=orpo"]), card("H200"), None, None)  # pairs packed, as DPO's
+    assert packed_orpo.packing and packed_orpo.planned.max_length == 2 * 2048
+    assert not packed_orpo.planned.full_logits and not packed_orpo.planned.reference
     for name in ("kto", "orpo"):
         padded = decide(compose([*base, f"objective={name}", "train.packing=false"]), card("H200"), None, None)
         assert padded.planned is not None and not padded.packing and padded.fits

@@ -50,7 +50,7 @@ KTO_ROWS = 5  # an odd micro-batch of unpaired rows: nothing is paired by positi
 def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo"):
     from datasets import Dataset
 
-    rows = N_PAIRS if objective == "dpo" else KTO_ROWS
+    rows = KTO_ROWS if objective == "kto" else N_PAIRS
     cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"objective={objective}",
                    f"train.packing={pack}", f"train.per_device_train_batch_size={rows}",
                    "train.max_steps=1"])
@@ -63,8 +63,8 @@ def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo"):
     model = load_base_model(model_dir, cfg, "cpu", "float32", run.attn_implementation)
     trainer_class, _ = trl_classes(objective)
     if pack:
-        trainer_class = packed.packed_trainer_class(trainer_class, share_prompts=objective == "dpo")
-    data = pairs() if objective == "dpo" else kto_rows()
+        trainer_class = packed.packed_class(trainer_class, objective)
+    data = kto_rows() if objective == "kto" else pairs()
     trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
                             train_dataset=Dataset.from_list(data), peft_config=lora_config(cfg, tokenizer))
     torch.manual_seed(0)  # LoRA B starts at zero: the policy would equal the reference; perturb it
@@ -253,3 +253,66 @@ def test_the_collator_packs_each_batch_on_the_host_and_the_step_packs_nothing_mo
         scale = float(g.abs().max())
         assert scale > 0, name
         assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+# ------------------------------------------------------------------------------------------ ORPO's packed pairs
+def orpo_loss_and_grads(trainer) -> tuple[float, dict[str, torch.Tensor], dict[str, float]]:
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return float(loss), grads, metrics
+
+
+@pytest.fixture(scope="module", params=family_params())
+def orpo_both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("packed_orpo")
+    return _trainer(tmp, request.param, True, "orpo"), _trainer(tmp, request.param, False, "orpo")
+
+
+def test_packed_orpo_pairs_give_the_padded_batch_loss_nll_metrics_and_gradients(orpo_both) -> None:
+    """ORPO on packed pairs: one model call through TRL's fused LM head on the packed row (the prompt once, the
+    chosen sequence scored whole for the NLL term) gives TRL's padded batch's loss, NLL, odds ratio, rewards,
+    mean log-probabilities and LoRA gradients, in float32 on every family. logits/* are the one metric defined
+    otherwise (the answer tokens' mean logit, not every padded position's)."""
+    packed_trainer, padded_trainer = orpo_both
+    assert type(packed_trainer).__name__ == "PackedORPOTrainer"
+    calls = []
+    model = packed_trainer.model.get_base_model()
+    wrapped = model.forward
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("fused_lm_head"), kwargs.get("pair_layout") is not None))
+        return wrapped(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        loss_p, grads_p, metrics_p = orpo_loss_and_grads(packed_trainer)
+    finally:
+        model.forward = wrapped
+    assert calls == [(True, True)]  # one packed call, no logits of every position
+    loss_u, grads_u, metrics_u = orpo_loss_and_grads(padded_trainer)
+    assert loss_p == pytest.approx(loss_u, abs=1e-5) and abs(loss_u) > 0.1
+    compared = {k for k in metrics_u if not k.startswith("logits/")}
+    assert {"nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/margins", "logps/chosen"} <= compared
+    for key in compared:
+        assert metrics_p[key] == pytest.approx(metrics_u[key], abs=1e-4), key
+    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
+    for name, g in grads_u.items():
+        scale = float(g.abs().max())
+        assert scale > 0, name
+        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+def test_the_chosen_sequence_scored_whole_is_orpos_nll_positions() -> None:
+    """score_whole_chosen: the chosen document scores every next token (its prompt's too), the rejected one only
+    its answer; the prompt is still shared."""
+    ids = torch.tensor([[1, 2, 3, 4, 0], [1, 2, 3, 5, 6]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    labels = torch.tensor([[-100, -100, -100, 4, -100], [-100, -100, -100, 5, 6]])
+    whole = packed.pack_pairs(ids, mask, labels, score_whole_chosen=True)
+    assert whole.input_ids.tolist() == [[1, 2, 3, 4, 3, 5, 6]]
+    assert whole.shift_labels.tolist() == [[2, 3, 4, -100, 5, 6, -100]]
+    assert whole.rows.tolist() == [0, 0, 0, 1, 1] and whole.cols.tolist() == [0, 1, 2, 2, 3]

@@ -173,5 +173,10 @@ def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_and_strict_the_eager_o
     assert run("objective=kto", "train.packing=false").attn_implementation == "varlen_attention"
     cpu = d.decide(compose(["model=tiny_random", "hardware=cpu", "objective=kto"]), d.Hardware("cpu"), None, None)
     assert not cpu.packing and cpu.attn_implementation is None
-    assert run("objective=orpo").attn_implementation == "varlen_attention" and not run("objective=orpo").packing
+    # ORPO's pairs packed on the GPU as DPO's (the CPU keeps TRL's padded batch unless asked)
+    assert run("objective=orpo").attn_implementation == "pair_varlen" and run("objective=orpo").packing
+    assert run("objective=orpo", "repro=strict").attn_implementation == "pair_dense"
+    assert run("objective=orpo", "train.packing=false").attn_implementation == "varlen_attention"
+    cpu = d.decide(compose(["model=tiny_random", "hardware=cpu", "objective=orpo"]), d.Hardware("cpu"), None, None)
+    assert not cpu.packing and cpu.attn_implementation is None
     assert run("train.packing=false").attn_implementation is None

@@ -37,7 +37,7 @@ from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_err
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
 from reprotune.preference import is_preference, objective_name, route_paths
-from reprotune.preference.packed import packed_trainer_class, register_pair_attention
+from reprotune.preference.packed import packed_class, register_pair_attention
 from reprotune.preference.trainers import (
     completion_tokens,
     init_adapter_dir,
@@ -299,8 +299,8 @@ def objective(cfg: DictConfig, run: RunSettings) -> Objective:
     if is_preference(cfg):
         trainer_class, _ = trl_classes(cfg.objective.name)
         trainer_class = reference_keeps_checkpointing(trainer_class)
-        if run.packing:  # decide packs DPO's pairs and KTO's rows (ORPO's trainer has no fused LM head to wrap)
-            trainer_class = packed_trainer_class(trainer_class, share_prompts=objective_name(cfg) == "dpo")
+        if run.packing:  # decide packs DPO's and ORPO's pairs and KTO's rows
+            trainer_class = packed_class(trainer_class, objective_name(cfg))
         return Objective(trainer_class=checkpoints.sealing_trainer_class(trainer_class),
                          trainer_config=preference_config)
     from trl import SFTTrainer

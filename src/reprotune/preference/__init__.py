@@ -16,9 +16,12 @@ from reprotune.config import PREFERENCE_OBJECTIVES
 
 # objectives with a reference model (the implicit reward is log pi/pi_ref); ORPO has none
 WITH_REFERENCE = ("dpo", "kto")
-# objectives whose TRL trainer calls the model's fused LM head, which reprotune.preference.packed wraps to run
-# packed rows (DPO's pairs with the prompt once, KTO's rows each a document); ORPO's trainer takes every logit
-PACKED_OBJECTIVES = ("dpo", "kto")
+# objectives reprotune.preference.packed runs on packed rows: DPO's pairs with the prompt once and KTO's rows each a
+# document (their TRL trainers' fused-LM-head calls wrapped); ORPO's pairs with the prompt once (its trainer's
+# concatenated forward replaced by one through TRL's fused LM head)
+PACKED_OBJECTIVES = ("dpo", "kto", "orpo")
+# objectives whose examples are pairs (a prompt and two answers; KTO's rows are one sequence each)
+PAIRED_OBJECTIVES = ("dpo", "orpo")
 # the two composed configs DVC's stages run with (reprotune.config.dump_chain_params writes both)
 SFT_PARAMS, PREF_PARAMS = "params", "params_pref"
 

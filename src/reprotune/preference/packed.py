@@ -101,10 +101,12 @@ def _starts(lengths: list[int]) -> list[int]:
     return out
 
 
-def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: bool = True) -> Packed:
+def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: bool = True,
+               score_whole_chosen: bool = False) -> Packed:
     """The packed row of TRL's padded pair batch (rows 0..B-1 chosen, B..2B-1 rejected, right padding; labels =
     input_ids with -100 outside the completion); share_prompts=False: every row its own document (KTO's
-    unpaired rows)."""
+    unpaired rows); score_whole_chosen: every next token of the chosen sequence is scored, its prompt's too (ORPO's
+    NLL term), the rejected answer's as the labels say."""
     import torch
 
     device = input_ids.device
@@ -125,16 +127,17 @@ def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: 
         """Shifted columns t whose next token row[t + 1] is scored."""
         return [t for t in range(length - 1) if lab[row][t + 1] != -100]
 
-    def whole(row: int, length: int) -> int:
-        """Append row[:length] as one causal document; its first packed position."""
+    def whole(row: int, length: int, score_all: bool = False) -> int:
+        """Append row[:length] as one causal document (score_all: every next token scored); its first packed
+        position."""
         start = len(tokens)
         tokens.extend(ids[row][:length])
         positions.extend(range(length))
-        shift.extend([*lab[row][1:length], -100])
+        shift.extend([*(ids if score_all else lab)[row][1:length], -100])
         q_lengths.append(length)
         k_index.extend(range(start, start + length))
         k_lengths.append(length)
-        for t in scored(row, length):
+        for t in (range(length - 1) if score_all else scored(row, length)):
             back_rows.append(row)
             back_cols.append(t)
             back_pos.append(start + t)
@@ -148,7 +151,7 @@ def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: 
         len_c, len_r = sum(mask[c]), sum(mask[r])
         prompt_c = next((t for t in range(len_c) if lab[c][t] != -100), len_c)
         prompt_r = next((t for t in range(len_r) if lab[r][t] != -100), len_r)
-        start_c = whole(c, len_c)
+        start_c = whole(c, len_c, score_whole_chosen)
         p = prompt_c
         shared = (p == prompt_r and 1 <= p < len_r and len_c >= p and ids[c][:p] == ids[r][:p]
                   and all(v == -100 for v in lab[r][:p]))
@@ -392,3 +395,54 @@ def packed_trainer_class(base: type, share_prompts: bool = True) -> type:
 
     PackedPreferenceTrainer.__name__ = PackedPreferenceTrainer.__qualname__ = f"Packed{base.__name__}"
     return PackedPreferenceTrainer
+
+
+def packed_orpo_trainer_class(base: type) -> type:
+    """TRL's ORPOTrainer (subclass `base`) on packed pairs: its concatenated_forward runs the pairs as one packed
+    row through TRL's fused LM head (added here: TRL's ORPO takes every position's logits) and computes from the
+    per-token log-probabilities what TRL computes from the logits: the chosen sequence's NLL (every next token of
+    prompt + chosen, averaged over the batch's tokens), each answer's mean log-probability, so the odds-ratio loss,
+    rewards and metrics are TRL's own code. logits/chosen and logits/rejected average the answer tokens' mean logit
+    (TRL's padded batch averages every position, the prompt's and the padding's too)."""
+
+    class PackedORPOTrainer(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            from accelerate.utils import is_peft_model
+            from trl.trainer.utils import add_fused_lm_head
+
+            target = self.model.get_base_model() if is_peft_model(self.model) else self.model
+            add_fused_lm_head(target, outputs=("log_probs", "mean_logits"))
+
+        def concatenated_forward(self, model: Any, batch: dict[str, Any]) -> tuple:
+            if self.is_encoder_decoder:
+                return super().concatenated_forward(model, batch)
+            both = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.padding_value,
+                                            device=self.accelerator.device)
+            n = batch["chosen_labels"].shape[0]
+            ids, mask = both["concatenated_input_ids"], both["concatenated_attention_mask"]
+            answer = both["concatenated_labels"][:, 1:] != -100  # the shifted positions of each answer's tokens
+            packed = pack_pairs(ids, mask, both["concatenated_labels"], share_prompts=True, score_whole_chosen=True)
+            extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
+            out = unpack_outputs(packed, model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                               attention_mask=None, shift_labels=packed.shift_labels,
+                                               fused_lm_head=True, use_cache=False, pair_layout=packed.layout,
+                                               **extra))
+            logps = out.log_probs
+            mean_logps = (logps * answer).sum(-1) / answer.sum(-1)  # TRL's get_batch_logps(average_log_prob=True)
+            scored = mask[:n, 1:] == 1  # TRL's chosen NLL: every next token of prompt + chosen
+            nll = -(logps[:n] * scored).sum() / scored.sum()
+            result = (mean_logps[:n], mean_logps[n:], out.mean_logits[:n][answer[:n]],
+                      out.mean_logits[n:][answer[n:]], nll)
+            return (*result, out.aux_loss) if self.aux_loss_enabled else result
+
+    PackedORPOTrainer.__name__ = PackedORPOTrainer.__qualname__ = f"Packed{base.__name__}"
+    return PackedORPOTrainer
+
+
+def packed_class(base: type, objective: str) -> type:
+    """The packed trainer of `objective` (subclass of TRL's `base`): DPO's pairs sharing their prompt, KTO's rows
+    each a document, ORPO's pairs sharing their prompt with the chosen sequence scored whole."""
+    if objective == "orpo":
+        return packed_orpo_trainer_class(base)
+    return packed_trainer_class(base, share_prompts=objective == "dpo")

@@ -28,7 +28,13 @@ from reprotune import distributed, varlen_attention
 from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
 from reprotune.models import random_init_architecture
-from reprotune.preference import PACKED_OBJECTIVES, WITH_REFERENCE, is_preference, objective_name
+from reprotune.preference import (
+    PACKED_OBJECTIVES,
+    PAIRED_OBJECTIVES,
+    WITH_REFERENCE,
+    is_preference,
+    objective_name,
+)
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import GIB, Settings, input_embedding_bytes, memory_budget, needed_bytes
@@ -142,11 +148,12 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     tiled = h.get("tiled_mlp", "auto")
     tiled = None if _auto(tiled) else bool(tiled)
     if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
-        # packed DPO pairs (KTO's packed rows take the same model call): the tiled MLP's recompute does not match
+        # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does not match
         # its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
         # tokens); never picked, refused when forced
         if tiled:
-            packed = "DPO's packed pairs" if objective_name(cfg) == "dpo" else "KTO's packed rows"
+            packed = ("KTO's packed rows" if objective_name(cfg) == "kto"
+                      else f"{objective_name(cfg).upper()}'s packed pairs")
             raise ReprotuneError(f"hardware.tiled_mlp=true: not with {packed} (the tiled MLP's recompute fails "
                                  "there); leave it auto, or set train.packing=false")
         tiled = False
@@ -155,7 +162,7 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
         # allocations each time. Only when asked for.
         offload = False if offload is None else offload
     elif is_preference(cfg):
-        # padded pairs (ORPO, unpacked DPO and KTO): neither has run on a GPU with TRL's preference trainers (packed
+        # padded pairs (unpacked DPO, ORPO and KTO): neither has run on a GPU with TRL's preference trainers (packed
         # DPO pairs broke the tiled MLP's recompute; ORPOConfig has no offloading switch); only when asked for
         tiled = False if tiled is None else tiled
         offload = False if offload is None else offload
@@ -204,15 +211,16 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     # DPO's packed pairs compute what TRL's padded pairs do (tests/test_preference_packed.py) with each prompt once:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
-    # KTO's packed rows only where the fast path is (the CPU keeps TRL's padded batch, and its bytes)
+    # KTO's packed rows and ORPO's packed pairs only where the fast path is (the CPU keeps TRL's padded batch, and
+    # its bytes)
     name = objective_name(cfg)
     dpo = is_preference(cfg) and name == "dpo"
     packing = (fast or dpo) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-    if is_preference(cfg) and packing and name not in PACKED_OBJECTIVES:  # TRL 1.16's ORPO trainer takes all logits
-        packing = False
-        reasons.append(f"packing off: {name} pairs are padded (TRL 1.16; reprotune packs DPO's pairs and KTO's rows)")
-    elif dpo and packing:
+    if dpo and packing:
         reasons.append("pairs packed: no padding, each prompt computed once (reprotune.preference.packed)")
+    elif is_preference(cfg) and packing and name == "orpo":
+        reasons.append("orpo pairs packed: no padding, each prompt computed once, the chosen sequence scored whole "
+                       "through TRL's fused LM head (reprotune.preference.packed)")
     elif is_preference(cfg) and packing:
         reasons.append(f"{name} rows packed: no padding, each row one document (reprotune.preference.packed)")
     attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
@@ -319,11 +327,13 @@ def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") 
     """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
     each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
     data = load_data_shape(cfg, padded=False) if data == "prepared" else data
-    return data.max_tokens if data else (2 if objective_name(cfg) == "dpo" else 1) * int(cfg.train.max_length)
+    paired = objective_name(cfg) in PAIRED_OBJECTIVES
+    return data.max_tokens if data else (2 if paired else 1) * int(cfg.train.max_length)
 
 
 def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
-    """A preference run on TRL 1.16's padded batches: ORPO, KTO, and DPO unpacked (train.packing=false, off a GPU)."""
+    """A preference run on TRL 1.16's padded batches: DPO, ORPO or KTO unpacked (train.packing=false; ORPO and KTO
+    off a GPU)."""
     return is_preference(cfg) and not packed_pairs(cfg, p)
 
 
@@ -450,6 +460,10 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     if shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "dpo":
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers); the reference forward runs without gradients")
+    elif shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "orpo":
+        reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
+                       "once, both answers), every token scored by the fused LM head (the chosen NLL); no reference")
+        data = replace(data, assistant_share=1.0) if data else data
     elif shape is not None and packed_pairs(cfg, p):
         reasons.append(f"plan: an example is one packed row of up to {pair_row_tokens(cfg, data)} tokens; the KL "
                        "batch and the reference forwards run without gradients")

@@ -219,9 +219,9 @@ def padded_shape_from_prepared(prepared: Path | str, objective: str) -> dict[str
 
 def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | None:
     """The prepared training data's shape: conversations, or (a preference objective) packed pairs, or with
-    `padded` the padded rows of TRL's preference trainers (None: DPO with train.packing other than false is
-    packed, as on the GPU; ORPO, KTO and unpacked DPO are padded; KTO's rows are the same packed or padded)."""
-    from reprotune.preference import is_preference, objective_name
+    `padded` the padded rows of TRL's preference trainers (None: DPO and ORPO with train.packing other than false
+    are packed pairs, as on the GPU; KTO and unpacked pairs are padded; KTO's rows are the same packed or padded)."""
+    from reprotune.preference import PAIRED_OBJECTIVES, is_preference, objective_name
 
     # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
     prepared = Path(cfg.paths.pairs if is_preference(cfg) and cfg.paths.get("pairs") else cfg.paths.prepared)
@@ -229,10 +229,11 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | 
         return None
     if is_preference(cfg):
         name = objective_name(cfg)
+        paired = name in PAIRED_OBJECTIVES
         if padded is None:
-            padded = name != "dpo" or cfg.train.get("packing") is False
-        # KTO's rows are the same sequences packed or padded: only DPO's packed pairs are counted another way
-        found = (pair_shape_from_prepared(prepared) if name == "dpo" and not padded
+            padded = not paired or cfg.train.get("packing") is False
+        # KTO's rows are the same sequences packed or padded: only packed pairs are counted another way
+        found = (pair_shape_from_prepared(prepared) if paired and not padded
                  else padded_shape_from_prepared(prepared, name))
         return DataShape(**found) if found else None
     return DataShape(**data_shape_from_prepared(prepared))
