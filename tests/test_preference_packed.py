@@ -316,3 +316,23 @@ def test_the_chosen_sequence_scored_whole_is_orpos_nll_positions() -> None:
     assert whole.input_ids.tolist() == [[1, 2, 3, 4, 3, 5, 6]]
     assert whole.shift_labels.tolist() == [[2, 3, 4, -100, 5, 6, -100]]
     assert whole.rows.tolist() == [0, 0, 0, 1, 1] and whole.cols.tolist() == [0, 1, 2, 2, 3]
+
+
+def test_packed_orpo_with_the_table_on_the_host_gathers_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the input embedding on the host, ORPO's packed call gathers its rows from the ids packed on the host
+    (one gather, no read-back of the ids from the device) and gives the same loss. Qwen3 (untied embedding)."""
+    from reprotune import host_embedding
+
+    trainer = _trainer(tmp_path, "tiny_random_qwen3", True, "orpo")
+    loss, _, _ = orpo_loss_and_grads(trainer)
+    gathered = []
+    original = host_embedding.gather_rows
+    monkeypatch.setattr(host_embedding, "gather_rows", lambda *a: gathered.append(a[1].numel()) or original(*a))
+    read_back = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, _o=torch.Tensor.to, **k: (
+        read_back.append(t.shape) if a[:1] == ("cpu",) and not t.is_floating_point() else None) or _o(t, *a, **k))
+    with host_embedding.embedding_on_host(trainer.model, active=True):
+        loss_host, _, _ = orpo_loss_and_grads(trainer)
+    monkeypatch.undo()
+    assert len(gathered) == 1 and gathered[0] > 0 and read_back == []
+    assert loss_host == pytest.approx(loss, abs=1e-6)

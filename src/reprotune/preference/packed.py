@@ -423,6 +423,9 @@ def packed_orpo_trainer_class(base: type) -> type:
             ids, mask = both["concatenated_input_ids"], both["concatenated_attention_mask"]
             answer = both["concatenated_labels"][:, 1:] != -100  # the shifted positions of each answer's tokens
             packed = pack_pairs(ids, mask, both["concatenated_labels"], share_prompts=True, score_whole_chosen=True)
+            from reprotune.host_embedding import offer_rows
+
+            offer_rows(model.get_input_embeddings(), packed.input_ids, None, packed.host_ids)  # no second read-back
             extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
             out = unpack_outputs(packed, model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                                attention_mask=None, shift_labels=packed.shift_labels,
