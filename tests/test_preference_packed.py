@@ -19,7 +19,7 @@ from reprotune.invoices import generate, wrong_extraction
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
 from reprotune.preference import packed
 from reprotune.preference.trainers import preference_config, trl_classes
-from reprotune.sizing.decide import Hardware, decide
+from reprotune.sizing.decide import Hardware, card, decide
 from reprotune.train import lora_config
 
 from .families import family_params
@@ -336,3 +336,18 @@ def test_packed_orpo_with_the_table_on_the_host_gathers_once(tmp_path: Path, mon
     monkeypatch.undo()
     assert len(gathered) == 1 and gathered[0] > 0 and read_back == []
     assert loss_host == pytest.approx(loss, abs=1e-6)
+
+
+def test_packed_batches_are_copied_to_the_gpu_without_waiting_for_it(tmp_path: Path) -> None:
+    """A packed preference run on CUDA copies its batches non_blocking (from the DataLoader's pinned memory), so the
+    collator's host packing runs while the GPU works; a CPU run and unpacked pairs keep the blocking default."""
+    def args(*over: str):
+        cfg = compose(["model=tiny_random_qwen3", "objective=dpo", f"paths.root={tmp_path}", *over])
+        hw = card("H200") if "hardware=gpu" in over else Hardware("cpu")
+        # float32: TrainingArguments refuses bf16 on this CPU-only machine; the copies do not depend on it
+        return preference_config(cfg, decide(cfg, hw, None, None), False)
+
+    gpu = args("hardware=gpu", "hardware.dtype=float32")
+    assert gpu.accelerator_config.non_blocking and gpu.dataloader_pin_memory
+    assert not args("hardware=gpu", "hardware.dtype=float32", "train.packing=false").accelerator_config.non_blocking
+    assert not args("hardware=cpu").accelerator_config.non_blocking

@@ -148,8 +148,8 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     tiled = h.get("tiled_mlp", "auto")
     tiled = None if _auto(tiled) else bool(tiled)
     if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
-        # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does not match
-        # its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
+        # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does
+        # not match its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
         # tokens); never picked, refused when forced
         if tiled:
             packed = ("KTO's packed rows" if objective_name(cfg) == "kto"
@@ -318,8 +318,8 @@ def _why_embedding_stays(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> 
 
 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
-    """DPO on packed pairs, KTO on packed rows (reprotune.preference.packed): modelled as packed rows, one pair
-    (one KTO example) per row."""
+    """DPO's and ORPO's packed pairs, KTO's packed rows (reprotune.preference.packed): modelled as packed rows, one
+    pair (one KTO example) per row."""
     return objective_name(cfg) in PACKED_OBJECTIVES and p.packing
 
 
@@ -463,6 +463,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     elif shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "orpo":
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers), every token scored by the fused LM head (the chosen NLL); no reference")
+        # the LM head's share of the packed tokens: the whole chosen sequence (bounded by all of them)
         data = replace(data, assistant_share=1.0) if data else data
     elif shape is not None and packed_pairs(cfg, p):
         reasons.append(f"plan: an example is one packed row of up to {pair_row_tokens(cfg, data)} tokens; the KL "
