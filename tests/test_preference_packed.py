@@ -85,6 +85,32 @@ def loss_and_grads(trainer) -> tuple[float, dict[str, torch.Tensor], dict[str, f
     return float(loss), grads, metrics
 
 
+def assert_same_gradients(grads_p: dict[str, torch.Tensor], grads_u: dict[str, torch.Tensor]) -> None:
+    """The same LoRA tensors got gradients, each nonzero and equal to its magnitude's 1e-4."""
+    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
+    for name, g in grads_u.items():
+        scale = float(g.abs().max())
+        assert scale > 0, name
+        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+def recorded_calls(trainer, step, record) -> tuple[list, tuple]:
+    """step(trainer) with every call of the base model's forward recorded as record(kwargs); (records, result)."""
+    calls = []
+    model = trainer.model.get_base_model()
+    wrapped = model.forward
+
+    def recording(*args, **kwargs):
+        calls.append(record(kwargs))
+        return wrapped(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        return calls, step(trainer)
+    finally:
+        model.forward = wrapped
+
+
 @pytest.fixture(scope="module", params=family_params())
 def both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("packed_pairs")
@@ -111,11 +137,7 @@ def test_packed_pairs_give_the_padded_batch_loss_metrics_and_gradients(both) -> 
     assert loss_u > 0.1  # a real loss, not a degenerate zero
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert metrics_p[key] == pytest.approx(metrics_u[key], abs=1e-4), key
-    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
-    for name, g in grads_u.items():
-        scale = float(g.abs().max())
-        assert scale > 0, name
-        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+    assert_same_gradients(grads_p, grads_u)
 
 
 def test_a_leak_across_the_pair_would_be_caught(both) -> None:
@@ -181,19 +203,8 @@ def test_packed_kto_rows_give_the_padded_batch_loss_kl_metrics_and_gradients(kto
     layout = packed.pack_pairs(batch["input_ids"], batch["attention_mask"], labels, share_prompts=False)
     assert layout.input_ids.shape[1] == int(batch["attention_mask"].sum()) < batch["input_ids"].numel()
     assert layout.layout.q_lengths == layout.layout.k_lengths == batch["attention_mask"].sum(1).tolist()
-    calls = []
-    model = packed_trainer.model.get_base_model()
-    wrapped = model.forward
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("labels") is not None and kwargs.get("fused_lm_head"))
-        return wrapped(*args, **kwargs)
-
-    model.forward = counting
-    try:
-        loss_p, grads_p, metrics_p = loss_and_grads(packed_trainer)
-    finally:
-        model.forward = wrapped
+    calls, (loss_p, grads_p, metrics_p) = recorded_calls(
+        packed_trainer, loss_and_grads, lambda kw: kw.get("labels") is not None and kw.get("fused_lm_head"))
     # the rows and the KL batch through the policy, then both through the reference: four packable calls
     assert calls == [True] * 4
     loss_u, grads_u, metrics_u = loss_and_grads(padded_trainer)
@@ -203,11 +214,7 @@ def test_packed_kto_rows_give_the_padded_batch_loss_kl_metrics_and_gradients(kto
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"} <= metrics_u.keys()
     for key, value in metrics_u.items():
         assert metrics_p[key] == pytest.approx(value, abs=1e-4), key
-    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
-    for name, g in grads_u.items():
-        scale = float(g.abs().max())
-        assert scale > 0, name
-        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+    assert_same_gradients(grads_p, grads_u)
 
 
 # ------------------------------------------------------------------------------------ packed with the batch
@@ -248,11 +255,7 @@ def test_the_collator_packs_each_batch_on_the_host_and_the_step_packs_nothing_mo
         monkeypatch.undo()
     assert made == []
     assert loss_p == pytest.approx(loss_u, abs=1e-5) and loss_u > 0.05
-    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
-    for name, g in grads_u.items():
-        scale = float(g.abs().max())
-        assert scale > 0, name
-        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+    assert_same_gradients(grads_p, grads_u)
 
 
 # ------------------------------------------------------------------------------------------ ORPO's packed pairs
@@ -279,19 +282,8 @@ def test_packed_orpo_pairs_give_the_padded_batch_loss_nll_metrics_and_gradients(
     otherwise (the answer tokens' mean logit, not every padded position's)."""
     packed_trainer, padded_trainer = orpo_both
     assert type(packed_trainer).__name__ == "PackedORPOTrainer"
-    calls = []
-    model = packed_trainer.model.get_base_model()
-    wrapped = model.forward
-
-    def recording(*args, **kwargs):
-        calls.append((kwargs.get("fused_lm_head"), kwargs.get("pair_layout") is not None))
-        return wrapped(*args, **kwargs)
-
-    model.forward = recording
-    try:
-        loss_p, grads_p, metrics_p = orpo_loss_and_grads(packed_trainer)
-    finally:
-        model.forward = wrapped
+    calls, (loss_p, grads_p, metrics_p) = recorded_calls(
+        packed_trainer, orpo_loss_and_grads, lambda kw: (kw.get("fused_lm_head"), kw.get("pair_layout") is not None))
     assert calls == [(True, True)]  # one packed call, no logits of every position
     loss_u, grads_u, metrics_u = orpo_loss_and_grads(padded_trainer)
     assert loss_p == pytest.approx(loss_u, abs=1e-5) and abs(loss_u) > 0.1
@@ -299,11 +291,7 @@ def test_packed_orpo_pairs_give_the_padded_batch_loss_nll_metrics_and_gradients(
     assert {"nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/margins", "logps/chosen"} <= compared
     for key in compared:
         assert metrics_p[key] == pytest.approx(metrics_u[key], abs=1e-4), key
-    assert grads_p.keys() == grads_u.keys() and len(grads_p) > 0
-    for name, g in grads_u.items():
-        scale = float(g.abs().max())
-        assert scale > 0, name
-        assert float((grads_p[name] - g).abs().max()) <= 1e-4 * scale + 1e-7, name
+    assert_same_gradients(grads_p, grads_u)
 
 
 def test_the_chosen_sequence_scored_whole_is_orpos_nll_positions() -> None:
