@@ -42,6 +42,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from reprotune.host_embedding import gather_rows, host_table, offer_rows
+
 VARLEN, DENSE = "pair_varlen", "pair_dense"
 
 
@@ -314,8 +316,6 @@ def packing_collator(collate: Any, share_prompts: bool, model: Any) -> Any:
     """TRL's collator, then each padded batch packed on the host, where it costs no synchronisation and the GPU
     is still busy with the previous micro-step; with the input embedding on the host, its rows gathered too
     (reprotune.host_embedding). The labels are TRL's: input_ids with -100 outside the completion mask."""
-    from reprotune.host_embedding import gather_rows, host_table
-
     @functools.wraps(collate)
     def collator(examples: list[dict]) -> dict[str, Any]:
         batch = collate(examples)
@@ -355,8 +355,6 @@ def packing_forward(fused_forward: Any, share_prompts: bool = True, prepacked: P
 
             mask = torch.ones_like(ids) if mask is None else mask
             packed = pack_pairs(ids, mask, kwargs["labels"], share_prompts)
-        from reprotune.host_embedding import offer_rows
-
         offer_rows(self.get_input_embeddings(), packed.input_ids, packed.host_rows, packed.host_ids)
         outputs = fused_forward(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                                 shift_labels=packed.shift_labels, fused_lm_head=True, use_cache=False,
@@ -423,8 +421,6 @@ def packed_orpo_trainer_class(base: type) -> type:
             ids, mask = both["concatenated_input_ids"], both["concatenated_attention_mask"]
             answer = both["concatenated_labels"][:, 1:] != -100  # the shifted positions of each answer's tokens
             packed = pack_pairs(ids, mask, both["concatenated_labels"], share_prompts=True, score_whole_chosen=True)
-            from reprotune.host_embedding import offer_rows
-
             offer_rows(model.get_input_embeddings(), packed.input_ids, None, packed.host_ids)  # no second read-back
             extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
             out = unpack_outputs(packed, model(input_ids=packed.input_ids, position_ids=packed.position_ids,
