@@ -18,7 +18,7 @@ from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.manifest import sha256_tree, tree_digest
 
-from .conftest import TINY_ADAPTER_TRAIN, built_once, small_invoices, tiny_adapter_run, write_jsonl
+from .conftest import REPO, TINY_ADAPTER_TRAIN, built_once, small_invoices, tiny_adapter_run
 
 # DPO from the SFT adapter (objective.init_adapter's default, outputs/adapter): 2 steps at a high learning rate,
 # so the preference adapter is visibly not the SFT one
@@ -190,20 +190,41 @@ def test_export_paths_of_a_preference_run_are_its_own(tmp_path: Path) -> None:
     assert (sft.paths.merged, sft.paths.gguf) == (f"{tmp_path}/outputs/merged", f"{tmp_path}/outputs/gguf")
 
 
-@pytest.mark.slow  # needs the llama.cpp build (the holdout is read once llama.cpp and the quant types are checked)
-def test_gguf_of_text_pairs_is_one_line_before_any_conversion(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+@pytest.mark.slow  # needs the llama.cpp build
+def test_gguf_of_text_pairs_checks_and_answers_their_text_prompts(exported: dict, tmp_path: Path) -> None:
+    """Text (standard) pairs train on raw text, so gguf_pref checks them as text: llama.cpp tokenizes each holdout
+    prompt (real HH transcripts read as TRL's text layout) into the ids HF gives it, as its completion endpoint
+    does (no chat template), the greedy answers are compared on them, and the Modelfile passes the prompt as it is
+    (no turns, no system prompt). The weights are the shared run's merged preference model: what is checked is
+    the export of whatever weights, on text prompts."""
     from reprotune.gguf import gguf
+    from reprotune.modelfile import parse_modelfile
+    from reprotune.models import load_tokenizer
+    from reprotune.prepare import prepare
 
-    root, over = trained
-    shutil.copytree(root / "outputs/pref/adapter", tmp_path / "outputs/pref/merged")  # its tokenizer, no weights
-    (tmp_path / "outputs/pref/merged/config.json").write_text("{}")
-    write_jsonl(tmp_path / "data/pairs/holdout.jsonl", [{"prompt": "The sky is", "chosen": " blue.",
-                                                         "rejected": " green."}])
-    with pytest.raises(ReprotuneError) as err:
-        gguf(compose([*over, f"paths.root={tmp_path}"]))
-    assert str(err.value).startswith(f"{tmp_path}/data/pairs/holdout.jsonl:1: prompt: text (standard) preference "
-                                     "rows; the GGUF parity checks render chat prompts")
-    assert not (tmp_path / "outputs/pref/gguf").exists()
+    root = tmp_path / "run"
+    shutil.copytree(exported["root"] / "outputs/pref/merged", root / "outputs/pref/merged")
+    over = [*(o for o in exported["over"] if not o.startswith(("paths.root=", "data.path="))),
+            f"paths.root={root}", f"data.path={REPO}/tests/data/real/preference/hh_rlhf_harmless_base_test.jsonl",
+            "data.format=trl"]
+    prepare(compose(over))
+    holdout = [json.loads(line) for line in (root / "data/pairs/holdout.jsonl").read_text().splitlines()]
+    assert len(holdout) > 2 and all(isinstance(row["prompt"], str) for row in holdout)
+    gguf(compose(over))
+
+    report = json.loads((root / "outputs/pref/gguf/parity.json").read_text())
+    tokenizer = load_tokenizer(root / "outputs/pref/merged")
+    text_ids = [tokenizer(text=row["prompt"])["input_ids"] for row in holdout]
+    assert report["prompt_format"] == "text" and report["greedy_prompts"] == 2
+    for name in ("F16", "Q8_0"):
+        # the prompts' own tokens, as TRL tokenizes a text prompt: no chat turns around them
+        assert report["tokenization"][name] == {"identical": True, "prompts": len(holdout),
+                                                "tokens": sum(map(len, text_ids))}
+        greedy = report["greedy"][name]
+        assert greedy["prompts"] == 2 and (greedy["exact_matches"] == 2) == (greedy["token_prefix_agreement"] == 1.0)
+    modelfile = parse_modelfile((root / "outputs/pref/gguf/Modelfile").read_text())
+    assert modelfile["TEMPLATE"] == ["{{ .Prompt }}"] and "SYSTEM" not in modelfile
+    assert modelfile["PARAMETER"] == [f'stop "{tokenizer.eos_token}"']
 
 
 def test_merge_pref_without_a_preference_adapter_says_which_make_train(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ Writes outputs/gguf/model-F16.gguf (convert_hf_to_gguf.py, export.outtype), mode
        export.quant, Modelfile (Ollama), parity.json; outputs/export/gguf_manifest.json (timings).
 With a preference objective (reprotune.preference.route_paths): outputs/pref/merged and data/pairs/{holdout,train}
 .jsonl (the holdout rows' prompts; the train pairs' shared system prompt) in, outputs/pref/gguf and
-outputs/pref/export/gguf_manifest.json out.
+outputs/pref/export/gguf_manifest.json out. Text (standard) pairs train on raw text: their prompts are checked and
+answered as text (llama.cpp's completion tokenization; the Modelfile passes the prompt as it is).
 
 The failures users of other tools meet only after shipping are checked here, and each one stops the stage:
   - an unknown pre-tokenizer (the converter refuses; we say which hash and what to do);
@@ -44,7 +45,7 @@ from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import fresh_dir, read_conversations, swap_dir
 from reprotune.models import load_float32, load_tokenizer
 from reprotune.preference import is_preference, route_paths
-from reprotune.preference.pair_eval import export_conversations
+from reprotune.preference.pair_eval import export_conversations, read_pairs
 
 log = logging.getLogger("reprotune.gguf")
 
@@ -171,18 +172,21 @@ def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- parity
-def holdout_conversations(cfg: DictConfig) -> list[list[dict]]:
-    """The holdout conversations whose prompts the parity checks render; a preference holdout's rows as prompt +
-    chosen answer. Text (standard) pairs have no chat prompt for the GGUF's template to be checked on: one line."""
+Prompt = list[dict] | str  # a chat prompt (messages) or, from text (standard) preference pairs, a text prompt
+
+
+def holdout_prompts(cfg: DictConfig) -> list[Prompt]:
+    """The holdout prompts the parity checks answer, in file order: each conversation up to its last assistant
+    answer (a preference holdout's rows as prompt + chosen answer, cut the same way). Text (standard) preference
+    pairs give their text prompts: that model was trained on raw text, with no chat template, and is asked the
+    same way (llama.cpp's completion, Ollama's raw prompt)."""
     path = Path(cfg.paths.prepared) / "holdout.jsonl"
     if not is_preference(cfg):
-        return read_conversations(path, "run 'make prepare' first")
+        return prompts_of(read_conversations(path, "run 'make prepare' first"))
     conversations = export_conversations(path)
     if isinstance(conversations[0], str):
-        raise ReprotuneError(f"{path}:1: prompt: text (standard) preference rows; the GGUF parity checks render "
-                             "chat prompts with the GGUF's chat template, and a text prompt has no chat turns "
-                             "(make merge ARGS=\"objective=...\" merges it; the GGUF export needs message rows)")
-    return conversations
+        return [row["prompt"] for row in read_pairs(path)]
+    return prompts_of(conversations)
 
 
 def prompts_of(conversations: list[list[dict]]) -> list[list[dict]]:
@@ -194,26 +198,41 @@ def prompts_of(conversations: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
-def check_template_and_tokens(vocab, tokenizer, prompts: list[list[dict]], name: str) -> list[list[int]]:
+def hf_prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """The ids the model answers: a chat prompt rendered with the generation prompt; a text prompt tokenized as
+    TRL tokenizes one (with the tokenizer's own special tokens, a BOS where it adds one)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(text=prompt)["input_ids"])
+    return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+
+
+def check_template_and_tokens(vocab, tokenizer, prompts: list[Prompt], name: str) -> list[list[int]]:
     """The GGUF's own chat template and tokenizer must turn every prompt into the HF ids (hard failure).
 
-    The template is rendered the way llama-cpp-python's server renders it (Jinja2ChatFormatter)."""
+    A chat prompt's template is rendered the way llama-cpp-python's server renders it (Jinja2ChatFormatter); a text
+    prompt is tokenized the way its completion endpoint tokenizes one (the GGUF's own BOS/EOS flags, special
+    tokens parsed)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    template = vocab.metadata().get("tokenizer.chat_template")
-    if not template:
-        raise ReprotuneError(f"gguf: {name} carries no chat template (tokenizer.chat_template)")
-    formatter = Jinja2ChatFormatter(template=template, eos_token=tokenizer.eos_token or "",
-                                    bos_token=tokenizer.bos_token or "", add_generation_prompt=True)
+    formatter = None
+    if any(not isinstance(p, str) for p in prompts):
+        template = vocab.metadata().get("tokenizer.chat_template")
+        if not template:
+            raise ReprotuneError(f"gguf: {name} carries no chat template (tokenizer.chat_template)")
+        formatter = Jinja2ChatFormatter(template=template, eos_token=tokenizer.eos_token or "",
+                                        bos_token=tokenizer.bos_token or "", add_generation_prompt=True)
     ids = []
-    for n, messages in enumerate(prompts):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        hf_ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                    return_dict=True)["input_ids"])
-        if formatter(messages=messages).prompt != text:
-            raise ReprotuneError(f"gguf: {name}: its chat template renders holdout prompt {n} differently from "
-                              "the HF tokenizer's chat template")
-        cpp_ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    for n, prompt in enumerate(prompts):
+        hf_ids = hf_prompt_ids(tokenizer, prompt)
+        if isinstance(prompt, str):
+            cpp_ids = vocab.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        else:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            if formatter(messages=prompt).prompt != text:
+                raise ReprotuneError(f"gguf: {name}: its chat template renders holdout prompt {n} differently from "
+                                     "the HF tokenizer's chat template")
+            cpp_ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         if cpp_ids != hf_ids:
             at = next((i for i, (a, b) in enumerate(zip(cpp_ids, hf_ids, strict=False)) if a != b),
                       min(len(cpp_ids), len(hf_ids)))
@@ -317,7 +336,8 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     if outtype not in OUTTYPE_NAME:
         raise ReprotuneError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
     tokenizer = load_tokenizer(merged)
-    prompts = prompts_of(holdout_conversations(cfg))
+    prompts = holdout_prompts(cfg)
+    text_prompts = isinstance(prompts[0], str)
 
     final = Path(cfg.paths.gguf)
     tmp = fresh_dir(final)
@@ -353,12 +373,11 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     max_new = int(cfg.export.parity.max_new_tokens)
     t0 = time.time()
     prompt_ids: list[list[int]] = []
-    hf_out = greedy_hf(merged, [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True,
-                                                              return_dict=True)["input_ids"]
-                                for p in greedy_prompts], max_new, eog)
+    hf_out = greedy_hf(merged, [hf_prompt_ids(tokenizer, p) for p in greedy_prompts], max_new, eog)
     timing["hf_greedy_seconds"] = round(time.time() - t0, 2)
     report: dict[str, Any] = {
         "llama_cpp_python": llamacpp.version(), "holdout_prompts": len(prompts),
+        "prompt_format": "text" if text_prompts else "chat",
         "greedy_prompts": len(greedy_prompts), "max_new_tokens": max_new, "eog_ids": eog,
         "greedy_selection": f"the first {len(greedy_prompts)} holdout prompts in file order "
                             "(export.parity.examples=N, or all)",
@@ -387,12 +406,17 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
 
     # 4. Ollama Modelfile for the first quant (the one 'make serve' serves too)
     serve_name = files.get(str(cfg.export.serve.quant), files[quants[0]] if quants else base_name)
-    pieces = mfile.probe(tokenizer)
-    system = (mfile.training_system_prompt(Path(cfg.paths.prepared) / "train.jsonl")
-              if cfg.export.ollama.system_from_data else None)
-    stops = mfile.stop_tokens(tokenizer, pieces, [e for e in eog if e in
-                                                  ([gen_eos] if isinstance(gen_eos, int) else gen_eos)])
-    (tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, mfile.go_template(pieces), stops, system))
+    gen_eos_ids = [e for e in eog if e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])]
+    if text_prompts:  # trained on raw text: the prompt as it is, no chat turns, no system prompt
+        template, system = mfile.RAW_TEMPLATE, None
+        stops = mfile.eos_stop_tokens(tokenizer, gen_eos_ids)
+    else:
+        pieces = mfile.probe(tokenizer)
+        template = mfile.go_template(pieces)
+        system = (mfile.training_system_prompt(Path(cfg.paths.prepared) / "train.jsonl")
+                  if cfg.export.ollama.system_from_data else None)
+        stops = mfile.stop_tokens(tokenizer, pieces, gen_eos_ids)
+    (tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, template, stops, system))
     report["modelfile"] = {"from": serve_name, "stop": stops, "system": system}
     mf.write_json(tmp / "parity.json", report)
     swap_dir(tmp, final)

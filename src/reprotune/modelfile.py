@@ -155,9 +155,18 @@ def go_template(p: ChatPieces) -> str:
     )
 
 
+# a model trained on raw text (text preference pairs) is prompted with the text as it is: Ollama's prompt, no turns
+RAW_TEMPLATE = "{{ .Prompt }}"
+
+
+def eos_stop_tokens(tokenizer, eos_ids: list[int]) -> list[str]:
+    """The model's eos ids as the tokens Ollama stops on."""
+    return sorted({tokenizer.convert_ids_to_tokens(i) for i in eos_ids})
+
+
 def stop_tokens(tokenizer, pieces: ChatPieces, eos_ids: list[int]) -> list[str]:
     """Every token that ends a turn: the model's eos ids and the special tokens closing an assistant turn."""
-    names = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids]
+    names = eos_stop_tokens(tokenizer, eos_ids)
     special = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
                                                    if t.special}
     names += [t for t in special if t in pieces.assistant_end]
