@@ -568,35 +568,49 @@ def test_make_eval_on_a_kto_holdout_scores_rows_and_desirable_answers(tmp_path: 
     assert not (tmp_path / "outputs/eval").exists()  # the SFT eval's folder is not touched
 
 
-def test_make_eval_on_text_pairs_skips_the_task_pass_and_says_why(tmp_path: Path,
-                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_make_eval_on_text_pairs_asks_their_raw_prompts(tiny_peft: tuple, tmp_path: Path,
+                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Text (standard) pairs train on raw text, so the task pass asks each text prompt as it is (tokenized as TRL
+    tokenizes one, no chat template) and scores the reply against the chosen answer, next to the preference
+    metrics; the reference loss is over the chosen answer + EOS after the prompt's own tokens."""
+    import torch
+
     from reprotune.evaluate import evaluate
 
+    model, tokenizer = tiny_peft
     rows = [json.loads(x) for x in (FIX / "trl_standard.jsonl").read_text().splitlines()]
-    result = evaluate(compose(eval_workspace(tmp_path, tmp_path_factory, rows) + ["objective=dpo"]))
+    text_task = ["data.task.type=text", "data.task.primary_metric=rougeL", "data.task.metrics=[]"]
+    result = evaluate(compose([*eval_workspace(tmp_path, tmp_path_factory, rows), "objective=dpo", *text_task]))
     metrics = result["metrics"]
-    assert metrics["examples"] == 0 and metrics["preference"]["pairs"] == len(rows)
-    assert set(metrics) == {"examples", "preference"}  # no task metrics, no made-up ones
+    assert metrics["examples"] == len(rows) and metrics["preference"]["pairs"] == len(rows)
+    assert set(metrics["tuned"]) >= {"exact_match", "token_f1", "rougeL", "loss"}
     out = tmp_path / "outputs/pref/eval"
-
-    def numbers(node: object) -> bool:
-        return all(numbers(v) for v in node.values()) if isinstance(node, dict) else \
-            isinstance(node, int | float) and not isinstance(node, bool)
-
-    assert numbers(json.loads((out / "metrics.json").read_text()))  # what dvc metrics show reads
     report = (out / "report.md").read_text()
-    assert "Task metrics: skipped. The holdout holds text (standard) rows" in report and "| reward_accuracy |" in report
-    assert (out / "comparison.png").stat().st_size > 0
-    assert result["manifest"]["task_pass"].startswith("Task metrics: skipped")
-    assert len((out / "predictions.jsonl").read_text().splitlines()) == len(rows)
+    assert f"Task metrics on the {len(rows)} holdout text rows (pairs: the chosen answer is the reference)" in report
+    assert result["manifest"]["task_pass"].startswith("Task metrics on the")
+    predictions = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [(p["input"], p["reference"]) for p in predictions] == [(r["prompt"], r["chosen"]) for r in rows]
+    assert all("base" in p["logps"] for p in predictions)
+    # the base's reference loss, by hand: the text prompt's ids, then the chosen answer and the EOS
+    for pred, row in zip(predictions, rows, strict=True):
+        prompt = tokenizer(text=row["prompt"])["input_ids"]
+        answer = tokenizer.encode(row["chosen"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        with torch.inference_mode(), model.disable_adapter():
+            logits = model(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+        nll = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
+        assert pred["reference_loss"]["base"] == pytest.approx(float(nll), abs=1e-4)
 
 
 def test_a_text_row_in_a_message_holdout_is_one_line(tmp_path: Path) -> None:
     from reprotune.evaluate import read_holdout
 
-    (tmp_path / "holdout.jsonl").write_text(json.dumps({"prompt": "a", "completion": " b", "label": True}) + "\n")
-    with pytest.raises(ReprotuneError, match=r"holdout.jsonl:1: prompt: a text \(standard\) preference row"):
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            {"prompt": "a", "completion": " b", "label": True}]
+    (tmp_path / "holdout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReprotuneError, match=r"holdout.jsonl:2: prompt: mixes text \(standard\) rows and message "):
         read_holdout(tmp_path / "holdout.jsonl")
+    (tmp_path / "holdout.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    assert [(e.prompt, e.reference) for e in read_holdout(tmp_path / "holdout.jsonl")] == [("a", " b")]
 
 
 # ----------------------------------------------------------------------------------- tools in preference data

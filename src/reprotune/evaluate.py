@@ -69,15 +69,15 @@ def resolve_batch_size(cfg: DictConfig, device: str) -> int:
 @dataclass
 class Example:
     index: int                      # line order in the holdout file
-    prompt: list[dict[str, str]]    # every message but the last (assistant) one
+    prompt: list[dict[str, str]] | str  # every message but the last (assistant) one; a text preference row's prompt
     reference: str                  # the last assistant message
     row: int | None = None          # a preference holdout: the row it comes from (KTO: only label-true rows)
 
 
 def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
     """Validate while reading: a bad line is reported by file, line number and field. A preference holdout's
-    conversational rows are examples too: a pair's chosen answer, a KTO row's completion when its label is
-    true, is the reference (a label-false row has none); max_examples counts rows."""
+    rows are examples too: a pair's chosen answer, a KTO row's completion when its label is true, is the reference
+    (a label-false row has none); text (standard) rows keep their text prompt; max_examples counts rows."""
     examples: list[Example] = []
     rows = 0
     for lineno, row in iter_jsonl(path, "run 'make prepare' first"):
@@ -85,9 +85,17 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
         rows += 1
         messages = row.get("messages") if isinstance(row, dict) else None
         kind = pair_eval.row_kind(row) if messages is None else None
-        if kind and isinstance(row["prompt"], str):
-            raise ReprotuneError(f"{where}: prompt: a text (standard) preference row; make eval's task pass "
-                                 "(generation, field accuracy) reads message rows, and one holdout holds one kind")
+        text = bool(kind) and isinstance(row["prompt"], str)
+        if examples and text != isinstance(examples[-1].prompt, str):
+            raise ReprotuneError(f"{where}: prompt: mixes text (standard) rows and message rows; one holdout holds "
+                                 "one kind")
+        if text:  # trained on raw text: asked the same way
+            if kind == "pairs" or row["label"]:
+                examples.append(Example(len(examples), row["prompt"],
+                                        row["chosen" if kind == "pairs" else "completion"], rows - 1))
+            if max_examples and rows >= max_examples:
+                break
+            continue
         if kind == "pairs":
             messages = [*row["prompt"], *row["chosen"]]  # a preference pair: the chosen answer is the reference
         elif kind == "kto" and not row["label"]:
@@ -142,7 +150,10 @@ def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
 
 
 def end_of_turn_ids(tokenizer, example: Example) -> list[int]:
-    """What the template puts after an assistant reply (e.g. <|im_end|>): the tokens a good answer ends with."""
+    """What the template puts after an assistant reply (e.g. <|im_end|>): the tokens a good answer ends with. A text
+    answer ends with the EOS, which TRL appends to each text answer."""
+    if isinstance(example.prompt, str):
+        return [tokenizer.eos_token_id]
     full = tokenizer.apply_chat_template([*example.prompt, {"role": "assistant", "content": example.reference}],
                                          tokenize=False)
     prompt = tokenizer.apply_chat_template(example.prompt, tokenize=False, add_generation_prompt=True)
@@ -154,9 +165,12 @@ def end_of_turn_ids(tokenizer, example: Example) -> list[int]:
 
 
 def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
-    texts = [tokenizer.apply_chat_template(ex.prompt, tokenize=False, add_generation_prompt=True) for ex in examples]
-    # the rendered template already holds any BOS the model needs
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    """Each prompt's ids: rendered with the chat template and its generation prompt (which already holds any BOS
+    the model needs); a text prompt tokenized as TRL tokenizes one (the tokenizer's own special tokens)."""
+    return [list(tokenizer(text=ex.prompt)["input_ids"]) if isinstance(ex.prompt, str) else
+            tokenizer.encode(tokenizer.apply_chat_template(ex.prompt, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)
+            for ex in examples]
 
 
 def batches(order: Sequence[int], size: int) -> Iterator[list[int]]:
@@ -279,7 +293,8 @@ def baseline_messages(prompt: list[dict[str, str]], system_prompt: str | None) -
 
 
 def run_baseline(cfg: DictConfig, examples: Sequence[Example]) -> SystemRun:
-    """The same holdout through an OpenAI-compatible chat endpoint, greedy (temperature 0)."""
+    """The same holdout through an OpenAI-compatible chat endpoint, greedy (temperature 0); text prompts through
+    its completions endpoint, as they are."""
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
@@ -294,6 +309,11 @@ def run_baseline(cfg: DictConfig, examples: Sequence[Example]) -> SystemRun:
     max_tokens = int(b.max_tokens or cfg.eval.max_new_tokens)
 
     def ask(ex: Example) -> tuple[str, int]:
+        if isinstance(ex.prompt, str):
+            done = client.completions.create(model=b.model, prompt=ex.prompt, temperature=0.0, max_tokens=max_tokens,
+                                             seed=int(cfg.seed))
+            usage = done.usage.completion_tokens if done.usage else 0
+            return (done.choices[0].text or "").strip(), int(usage or 0)
         reply = client.chat.completions.create(
             model=b.model, messages=baseline_messages(ex.prompt, b.system_prompt), temperature=0.0,
             max_tokens=max_tokens, seed=int(cfg.seed))
@@ -506,10 +526,10 @@ def preference_pass(cfg: DictConfig, model, tokenizer, rows: list[dict], with_sf
 
 def task_pass_note(rows: list[dict], examples: int) -> str:
     """What report.md says of a preference holdout's task metrics: which rows they are computed on, or why none."""
-    if isinstance(rows[0]["prompt"], str):
-        return ("Task metrics: skipped. The holdout holds text (standard) rows: a prompt string without chat turns, "
-                "so there is no chat prompt to generate an answer from and score as the task does; the preference "
-                "metrics below are computed on every row.")
+    if isinstance(rows[0]["prompt"], str) and examples:
+        which = "pairs: the chosen answer" if "chosen" in rows[0] else "KTO rows with label true: their completion"
+        return (f"Task metrics on the {examples} holdout text rows ({which} is the reference), each prompt given as "
+                "its raw text, with no chat template, as the model was trained on it.")
     if "chosen" in rows[0]:
         return f"Task metrics on the {examples} holdout pairs: the chosen answer is the reference."
     undesirable = sum(not r["label"] for r in rows)
@@ -521,11 +541,10 @@ def task_pass_note(rows: list[dict], examples: int) -> str:
 
 
 def preference_holdout(cfg: DictConfig, holdout: Path) -> tuple[list[dict], list[Example]]:
-    """The rows of a preference holdout, and the examples of its task pass (none for text rows, nor for KTO rows
-    that are all undesirable)."""
+    """The rows of a preference holdout, and the examples of its task pass (none for KTO rows that are all
+    undesirable)."""
     rows = pair_eval.read_pairs(holdout, cfg.eval.max_examples)  # one kind in a file, checked
-    text = isinstance(rows[0]["prompt"], str)
-    wanted = not text and ("chosen" in rows[0] or any(r["label"] for r in rows))
+    wanted = "chosen" in rows[0] or any(r["label"] for r in rows)
     return rows, read_holdout(holdout, cfg.eval.max_examples) if wanted else []
 
 
@@ -601,14 +620,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         metrics = build_metrics({s: summarise(run, scores[s], names) for s, run in runs.items()}, len(examples))
         records = [{
             "index": ex.index,
-            "input": next((m["content"] for m in reversed(ex.prompt) if m["role"] == "user"), ""),
+            "input": ex.prompt if isinstance(ex.prompt, str) else
+            next((m["content"] for m in reversed(ex.prompt) if m["role"] == "user"), ""),
             "reference": ex.reference,
             "predictions": {s: run.predictions[i] for s, run in runs.items()},
             "scores": {s: {k: round(v, 6) for k, v in scores[s][i].items()} for s in runs},
             "reference_loss": {s: round(run.nll[i] / max(1, run.n_tokens[i]), 6)
                                for s, run in runs.items() if run.n_tokens},
         } for i, ex in enumerate(examples)]
-    else:  # no task pass (text rows, or KTO rows without a reference): the preference metrics alone
+    else:  # no task pass (KTO rows without a reference): the preference metrics alone
         metrics, records = {"examples": 0}, []
     note = task_pass_note(rows, len(examples)) if rows else None
     if preference:  # the pairs' metrics next to the task's; each example's log-probabilities with it
