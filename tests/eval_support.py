@@ -34,7 +34,8 @@ def eval_overrides(root: Path, eval_dir: str, *extra: str) -> list[str]:
 
 
 class ChatServer:
-    """POST /v1/chat/completions served by a real transformers model (greedy); records what it was sent."""
+    """POST /v1/chat/completions (and /v1/completions, a text prompt as it is) served by a real transformers model
+    (greedy); records what it was sent."""
 
     def __init__(self, model: Any, tokenizer: Any, api_key: str | None) -> None:
         self.model, self.tokenizer, self.api_key = model, tokenizer, api_key
@@ -50,11 +51,20 @@ class ChatServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
                     return self._send(401, {"error": {"message": "invalid api key", "type": "auth"}})
-                if self.path != "/v1/chat/completions":
+                if self.path not in ("/v1/chat/completions", "/v1/completions"):
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 server.requests.append(body)
-                text, n_prompt, n_new = server.complete(body["messages"], int(body.get("max_tokens") or 64))
+                chat = self.path == "/v1/chat/completions"
+                text, n_prompt, n_new = server.complete(body["messages"] if chat else body["prompt"],
+                                                        int(body.get("max_tokens") or 64))
                 server.replies.append(text)
+                if not chat:  # a text completion: the prompt as it is
+                    return self._send(200, {
+                        "id": f"cmpl-{len(server.requests)}", "object": "text_completion",
+                        "created": int(time.time()), "model": body["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop", "text": text, "logprobs": None}],
+                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                                  "total_tokens": n_prompt + n_new}})
                 return self._send(200, {
                     "id": f"chatcmpl-{len(server.requests)}", "object": "chat.completion",
                     "created": int(time.time()), "model": body["model"],
@@ -75,11 +85,12 @@ class ChatServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def complete(self, messages: list[dict], max_tokens: int) -> tuple[str, int, int]:
+    def complete(self, prompt: list[dict] | str, max_tokens: int) -> tuple[str, int, int]:
         import torch
 
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)
+        ids = (self.tokenizer(text=prompt, return_tensors="pt") if isinstance(prompt, str) else
+               self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True))
         with torch.inference_mode():
             out = self.model.generate(**ids, do_sample=False, max_new_tokens=max_tokens,
                                       pad_token_id=self.tokenizer.pad_token_id)

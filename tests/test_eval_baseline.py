@@ -86,6 +86,32 @@ def test_wrong_key_is_a_clear_error(server: ChatServer, tiny_adapter: Path,  # n
     assert not (tiny_adapter / "eval_wrong_key").exists()  # failed before any model pass or output
 
 
+@pytest.mark.slow  # starts an OpenAI-compatible server on the tiny model
+def test_text_pairs_reach_the_baseline_as_text_completions(server: ChatServer, tiny_adapter: Path,  # noqa: F811
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preference run on text (standard) pairs: the baseline is asked each text prompt as it is, through the
+    completions endpoint (no chat turns, no system prompt), and scored beside base and tuned."""
+    import shutil
+
+    monkeypatch.setenv(KEY_ENV, FAKE_KEY)
+    shutil.copytree(tiny_adapter / "outputs/adapter", tmp_path / "outputs/pref/adapter")
+    rows = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+            {"prompt": "Water boils at", "chosen": " 100 C at sea level.", "rejected": " 50 C."}]
+    (tmp_path / "data/pairs").mkdir(parents=True)
+    (tmp_path / "data/pairs/holdout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = len(server.requests)
+    evaluate(compose([f"paths.root={tmp_path}", "model=tiny_random", "objective=dpo", "objective.init_adapter=null",
+                      "eval.max_new_tokens=8", "data.task.type=text", "data.task.primary_metric=rougeL",
+                      "data.task.metrics=[]", *baseline_args(server.url)]))
+    sent = server.requests[before:]
+    assert [(r["prompt"], r["max_tokens"], r["temperature"]) for r in sent] == [(r["prompt"], 8, 0) for r in rows]
+    assert all("messages" not in r for r in sent)
+    records = [json.loads(line) for line in (tmp_path / "outputs/pref/eval/predictions.jsonl").read_text().splitlines()]
+    assert [r["predictions"]["baseline"] for r in records] == server.replies[before:]
+    metrics = json.loads((tmp_path / "outputs/pref/eval/metrics.json").read_text())
+    assert set(metrics["baseline"]) == {"exact_match", "token_f1", "rougeL"} and metrics["examples"] == 2
+
+
 def test_unreachable_endpoint_is_a_clear_error(tiny_adapter: Path) -> None:  # noqa: F811
     import socket
 
