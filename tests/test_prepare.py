@@ -226,3 +226,26 @@ def test_pii_review_prints_replacements_in_context_and_writes_nothing(tmp_path: 
     assert {t["original"] for t in shown} == {"Priya Raman", "priya.raman@acme-mail.org"}
     assert "data/raw/invoices.jsonl:3  PERSON" in out and "Contact: [Priya Raman -> " in out
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # terminal only
+
+
+def test_token_lengths_are_the_tokenizers_own_counts_with_and_without_tools() -> None:
+    """prepare counts tokens through the fast tokenizer's Rust encoder and renders the conversations without
+    tools in one call: the counts are tokenizer(apply_chat_template(c, tools=t)) of each conversation, in order,
+    and a truncation that a tokenizer.json turns on does not cut them (tokenizer(...) turns it off too)."""
+    from reprotune.prepare import count_tokens, load_tokenizer, token_lengths
+
+    cfg = compose(["model=tiny_random", "model.chat_template=conf/chat_templates/qwen2_5_tools.jinja"])
+    tokenizer = load_tokenizer(cfg)
+    tool = [{"type": "function", "function": {"name": "get_total", "description": "Sum an invoice",
+                                              "parameters": {"type": "object", "properties": {}}}}]
+    conversations = [[{"role": "user", "content": f"Invoice {i}: " + "item " * (5 + 40 * i)},
+                      {"role": "assistant", "content": "ok"}] for i in range(5)]
+    tools = [None, tool, None, tool, None]
+    expected = [len(tokenizer(tokenizer.apply_chat_template(c, tools=t, tokenize=False),
+                              add_special_tokens=False)["input_ids"]) for c, t in zip(conversations, tools, strict=True)]
+    assert len(set(expected)) == 5  # each conversation its own length, so an order mix-up would show
+    assert token_lengths(tokenizer, conversations, tools) == expected
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    tokenizer.backend_tokenizer.enable_truncation(16)
+    counts = count_tokens(tokenizer, texts)
+    assert counts == [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts] and max(counts) > 16
