@@ -1,12 +1,18 @@
 """make train, make eval, make gguf as a new user runs them, in a fresh git copy of this checkout (tiny model):
 each brings its prerequisites up to date through DVC and skips what is current, dvc.lock describes outputs/
-afterwards, and changing one input re-runs exactly the stages that read it (and those whose inputs changed).
+afterwards; then the DVC chain sft -> preference (issue #26) in the same copy: make train ARGS="objective=dpo"
+(prepare_pairs + train_pref from the SFT adapter, SFT's stages skipped), make eval ARGS="objective=dpo"
+(eval_pref), make gguf ARGS="objective=dpo" (merge_pref + gguf_pref: the preference adapter exported under
+outputs/pref), both chains' outputs in dvc.lock; changing one input re-runs exactly the stages that read it (and
+those whose inputs changed), in both chains; and a preference stage refuses SFT params in one line.
 
-The re-run matrix it prints is the one in docs/pipeline.md.
+The re-run matrix it prints is the one in docs/pipeline.md. (One copy for all of it: the SFT runs, the preference
+chain and the matrix used to build their own copies, two of the suite's longest set-ups.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,8 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from reprotune.manifest import sha256_tree
+from reprotune.manifest import sha256_tree, tree_digest
 
 from .conftest import REPO
 
@@ -34,6 +41,7 @@ TINY = ["model=tiny_random", "train.max_steps=3", "train.save_steps=3", "train.l
 ALL = ["prepare", "train", "eval", "merge", "gguf"]
 # make repro's second chain (params_pref.yaml, objective=dpo)
 PREF = ["prepare_pairs", "train_pref", "eval_pref", "merge_pref", "gguf_pref"]
+DPO = ("objective=dpo", "objective.max_steps=2")  # the preference chain through make train/eval/gguf
 TIMES: dict[str, float] = {}
 
 
@@ -104,6 +112,65 @@ def test_a_second_make_train_runs_nothing(clone: tuple[Path, dict], first_runs: 
     assert sha256_tree(root / "outputs") == before
 
 
+# ----------------------------------------------------------------------- the preference chain (sft -> dpo)
+@pytest.fixture(scope="module")
+def chain(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> dict:
+    """make train, eval and gguf ARGS="objective=dpo" after the SFT chain's runs, the outputs before and after."""
+    root, env = clone
+    sft_outputs = sha256_tree(root / "outputs")
+    pref = make(root, "train", env, DPO)
+    after_pref = sha256_tree(root / "outputs")
+    evals = make(root, "eval", env, DPO)
+    exports = make(root, "gguf", env, DPO)
+    after_export = sha256_tree(root / "outputs")
+    return {"sft_outputs": sft_outputs, "pref": pref, "after_pref": after_pref, "eval": evals,
+            "export": exports, "after_export": after_export}
+
+
+def test_make_train_with_dpo_runs_the_preference_chain_from_the_sft_adapter(clone: tuple[Path, dict],
+                                                                             chain: dict) -> None:
+    root, env = clone
+    assert chain["pref"] == ["prepare_pairs", "train_pref"]  # SFT's stages current: skipped
+    assert chain["eval"] == ["eval_pref"]
+    # SFT's outputs byte for byte; the preference run's beside them
+    assert {k: v for k, v in chain["after_pref"].items() if not k.startswith("pref/")} == chain["sft_outputs"]
+    manifest = json.loads((root / "outputs/pref/train/manifest.json").read_text())
+    init = manifest["objective"]["init_adapter"]
+    assert init["path"] == "outputs/adapter" and init["sha256"] == tree_digest(sha256_tree(root / "outputs/adapter"))
+    assert manifest["objective"]["reference"].startswith("init_adapter")
+    assert manifest["inputs"]["train_data"]["path"] == "data/pairs/train.jsonl"
+    metrics = json.loads((root / "outputs/pref/eval/metrics.json").read_text())["preference"]
+    assert {"base", "sft", "tuned"} <= set(metrics) and metrics["pairs"] > 0
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert {"prepare", "train", "prepare_pairs", "train_pref", "eval_pref", "merge_pref", "gguf_pref"} <= set(lock)
+    assert lock["train_pref"]["params"]["params_pref.yaml"]["objective"]["name"] == "dpo"
+    assert "objective" not in lock["train"]["params"]["params.yaml"]
+    # dvc push versions both: every output of both chains is in the cache
+    status = run([str(VENV / "bin/dvc"), "status", "train", "train_pref", "eval_pref", "gguf_pref"], root, env)
+    assert "up to date" in status
+
+
+def test_make_merge_and_gguf_with_dpo_export_the_preference_adapter(clone: tuple[Path, dict], chain: dict) -> None:
+    root, _ = clone
+    # the training stages of both chains and SFT's own export current: skipped
+    assert chain["export"] == ["merge_pref", "gguf_pref"]
+    # the preference run's export beside the rest; the SFT run's outputs (its merge and GGUF too) byte for byte
+    assert {k: v for k, v in chain["after_export"].items() if not k.startswith("pref/")} == chain["sft_outputs"]
+    assert any(k.startswith("merged/") for k in chain["sft_outputs"])
+    merge = json.loads((root / "outputs/pref/export/merge_manifest.json").read_text())
+    assert merge["inputs"]["adapter"]["path"] == "outputs/pref/adapter"
+    assert merge["inputs"]["adapter"]["sha256"] == tree_digest(sha256_tree(root / "outputs/pref/adapter"))
+    assert merge["parity"]["fp32_merge"]["passed"] and merge["parity"]["saved"]["passed"]
+    gguf = json.loads((root / "outputs/pref/gguf/parity.json").read_text())
+    assert gguf["holdout_prompts"] == len((root / "data/pairs/holdout.jsonl").read_text().splitlines())
+    assert all(t["identical"] for t in gguf["tokenization"].values())
+    assert (root / "outputs/pref/gguf/model-Q4_K_M.gguf").read_bytes()[:4] == b"GGUF"
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert lock["merge_pref"]["params"]["params_pref.yaml"]["objective"]["name"] == "dpo"
+    assert {d["path"] for d in lock["merge_pref"]["deps"]} >= {"outputs/pref/adapter", "data/pairs/holdout.jsonl"}
+
+
+# ------------------------------------------------------------------------------------------ re-run matrix
 def _append_comment(root: Path, rel: str) -> None:
     path = root / rel
     path.write_text(path.read_text() + "# touched by tests/test_make_pipeline.py\n")
@@ -126,12 +193,12 @@ MATRIX = [
 ]
 
 
-def test_rerun_matrix(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> None:
-    """make repro (all stages) after each change: which stages ran."""
+def test_rerun_matrix(clone: tuple[Path, dict], chain: dict) -> None:
+    """make repro (all stages of both chains) after each change: which stages ran."""
     root, env = clone
-    ran = make(root, "repro", env)  # the preference chain's first run (DPO from the SFT adapter): the SFT one is current
-    rows = [("first make repro (the preference chain)", ran)]
-    assert ran == PREF
+    ran = make(root, "repro", env)  # make train/eval/gguf, with and without objective=dpo, left nothing to do
+    rows = [("first make repro, after make train/eval/gguf with and without objective=dpo", ran)]
+    assert ran == []
     for label, extra, edited, expected in MATRIX:
         if edited:
             _append_comment(root, edited)
@@ -146,3 +213,28 @@ def test_rerun_matrix(clone: tuple[Path, dict], first_runs: dict[str, list[str]]
     print("\n| change | stages re-run |\n|---|---|")
     for label, ran in rows:
         print(f"| {label} | {', '.join(ran) or 'none'} |")
+
+
+def test_a_preference_stage_refuses_sft_params_in_one_line(clone: tuple[Path, dict], chain: dict) -> None:
+    root, env = clone
+    params = root / "params_pref.yaml"
+    kept = params.read_text()
+    try:
+        params.write_text(kept.replace("objective:\n  name: dpo", "objective:\n  name: sft"))
+        stage_env = {**env, "PYTHONPATH": str(root / "src"), "PATH": f"{VENV / 'bin'}:{env['PATH']}"}  # as make's
+        proc = subprocess.run([str(VENV / "bin/dvc"), "repro", "-s", "-f", "train_pref"], cwd=root, env=stage_env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode != 0
+        line = next(x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if "objective.name" in x)
+        assert re.match(r"params_pref.yaml:\d+: objective.name: 'sft', but the preference stages", line)
+        assert "Running stage 'train_pref'" in proc.stdout and not (root / "outputs/adapter.tmp").exists()
+        # an export stage of the preference chain too: merge_pref never merges into SFT's outputs/merged
+        merged = sha256_tree(root / "outputs/merged")
+        proc = subprocess.run([str(VENV / "bin/dvc"), "repro", "-s", "-f", "merge_pref"], cwd=root, env=stage_env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode != 0
+        line = next(x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if "objective.name" in x)
+        assert re.match(r"params_pref.yaml:\d+: objective.name: 'sft', but the preference stages \(.*merge_pref", line)
+        assert sha256_tree(root / "outputs/merged") == merged and not (root / "outputs/pref/merged.tmp").exists()
+    finally:
+        params.write_text(kept)
