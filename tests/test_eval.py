@@ -168,7 +168,8 @@ def test_bad_holdout_line_is_one_clear_error(tiny_adapter: Path, tmp_path: Path)
      r":1: messages\[-1\].role: must be 'assistant'"),
     ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', r":1: messages\[0\]: needs string"),
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "not json"}]}',
-     r"example 1: the assistant reply is not a JSON object"),
+     r"holdout.jsonl:1: messages\[-1\].content: the reference answer is not a JSON object, but data.task.type is "
+     r"json \(the built-in invoice task's\); for free-text answers set data.task.type=text$"),
 ])
 def test_holdout_validation(line: str, message: str, tmp_path: Path) -> None:
     holdout = tmp_path / "data/prepared/holdout.jsonl"

@@ -601,6 +601,21 @@ def test_make_eval_on_text_pairs_asks_their_raw_prompts(tiny_peft: tuple, tmp_pa
         assert pred["reference_loss"]["base"] == pytest.approx(float(nll), abs=1e-4)
 
 
+def test_text_pairs_under_the_json_task_are_one_line_naming_the_row(tmp_path: Path,
+                                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The built-in task scores JSON answers: free-text chosen answers under it stop eval before any model pass, in
+    one line that names the row and the setting to change."""
+    from reprotune.evaluate import evaluate
+
+    rows = [json.loads(x) for x in (FIX / "trl_standard.jsonl").read_text().splitlines()]
+    with pytest.raises(ReprotuneError) as err:
+        evaluate(compose([*eval_workspace(tmp_path, tmp_path_factory, rows), "objective=dpo"]))
+    assert str(err.value) == (f"{tmp_path}/data/pairs/holdout.jsonl:1: chosen: the reference answer is not a JSON "
+                              "object, but data.task.type is json (the built-in invoice task's); for free-text "
+                              "answers set data.task.type=text")
+    assert not (tmp_path / "outputs/pref/eval").exists()
+
+
 def test_a_text_row_in_a_message_holdout_is_one_line(tmp_path: Path) -> None:
     from reprotune.evaluate import read_holdout
 

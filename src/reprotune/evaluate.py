@@ -72,6 +72,7 @@ class Example:
     prompt: list[dict[str, str]] | str  # every message but the last (assistant) one; a text preference row's prompt
     reference: str                  # the last assistant message
     row: int | None = None          # a preference holdout: the row it comes from (KTO: only label-true rows)
+    where: str = ""                 # file:line: field of the reference, for a message about it
 
 
 def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
@@ -91,8 +92,8 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
                                  "one kind")
         if text:  # trained on raw text: asked the same way
             if kind == "pairs" or row["label"]:
-                examples.append(Example(len(examples), row["prompt"],
-                                        row["chosen" if kind == "pairs" else "completion"], rows - 1))
+                answer = "chosen" if kind == "pairs" else "completion"
+                examples.append(Example(len(examples), row["prompt"], row[answer], rows - 1, f"{where}: {answer}"))
             if max_examples and rows >= max_examples:
                 break
             continue
@@ -112,7 +113,9 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
                 raise ReprotuneError(f"{where}: messages[{i}]: needs string 'role' and 'content'")
         if messages[-1]["role"] != "assistant":
             raise ReprotuneError(f"{where}: messages[-1].role: must be 'assistant' (the reference)")
-        examples.append(Example(len(examples), messages[:-1], messages[-1]["content"], rows - 1 if kind else None))
+        field = {"pairs": "chosen[-1].content", "kto": "completion[-1].content"}.get(kind, "messages[-1].content")
+        examples.append(Example(len(examples), messages[:-1], messages[-1]["content"], rows - 1 if kind else None,
+                                f"{where}: {field}"))
         if max_examples and rows >= max_examples:
             break
     if not examples:
@@ -120,14 +123,14 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
     return examples
 
 
-def check_references(examples: Sequence[Example], task: dict, path: Path) -> None:
+def check_references(examples: Sequence[Example], task: dict) -> None:
     """A json task's references must be JSON objects, or every score would be meaningless."""
     if task["type"] != "json":
         return
     for ex in examples:
         if mx.parse_json_object(ex.reference) is None:
-            raise ReprotuneError(f"{path}: example {ex.index + 1}: the assistant reply is not a JSON object, "
-                                 "but data.task.type is json")
+            raise ReprotuneError(f"{ex.where}: the reference answer is not a JSON object, but data.task.type is json "
+                                 "(the built-in invoice task's); for free-text answers set data.task.type=text")
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -592,7 +595,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     rows, examples = preference_holdout(cfg, holdout) if is_preference(cfg) else ([], None)
     if examples is None:
         examples = read_holdout(holdout, cfg.eval.max_examples)
-    check_references(examples, task, holdout)
+    check_references(examples, task)
     log.info("eval: %d holdout examples, device=%s dtype=%s batch_size=%d", len(examples), device, dtype,
              batch_size)
 
