@@ -85,7 +85,8 @@ def prepare(out: Path, model: str, overrides: list[str], n: int) -> tuple[str, P
 def write_report(prepared: Path, tokenizer, rows: list[dict], model: str) -> float:
     """The token counts `make prepare` writes for pairs (report.json), so the preflight plans these pairs as it
     would prepared ones; returns the mean packed pair (the prompt once and both answers)."""
-    from reprotune.preference.pairs import sequence_lengths
+    from reprotune.preference import PAIR_LENGTHS_FILE
+    from reprotune.preference.pairs import lengths_bytes, sequence_lengths
     from reprotune.prepare_report import distribution
 
     measured = [sequence_lengths(tokenizer, row) for row in rows]
@@ -96,6 +97,7 @@ def write_report(prepared: Path, tokenizer, rows: list[dict], model: str) -> flo
                          "answer_share_train": round(sum(m[2] for m in measured) / sum(packed), 4)}}
     report["pairs"]["paired"] = True  # KTO unpairs each into two examples (reprotune.sizing.shape)
     (prepared / "report.json").write_text(json.dumps(report, indent=1))
+    (prepared / PAIR_LENGTHS_FILE).write_bytes(lengths_bytes(packed))  # the plan sizes the drawn micro-batches
     return sum(packed) / len(packed)
 
 

@@ -141,8 +141,8 @@ def test_kto_is_b_rows_with_gradients_and_a_kl_batch_without(tmp_path: Path) -> 
     assert (s.sequences, s.reference, s.kl_rows, s.full_logits) == (1, True, True, False)
     assert run.predicted["tokens_per_micro_batch"] == 4 * 700  # B completions with gradients
     # the reference over the B rows; the KL batch: B rows of a prompt and another completion (<= 2 x longest)
-    assert sz_memory.no_grad_forwards(s, run_data(tmp_path, "kto")) == [(4, 700), (4, 1400)]
-    assert sz_memory.no_grad_forwards(replace(s, max_length=1000), run_data(tmp_path, "kto"))[1] == (4, 1000)
+    assert sz_memory.no_grad_forwards(s, run_data(tmp_path, "kto")) == [(4, 700, 2800), (4, 1400, 5600)]
+    assert sz_memory.no_grad_forwards(replace(s, max_length=1000), run_data(tmp_path, "kto"))[1] == (4, 1000, 4000)
     pre = planned(tmp_path, "objective=kto", "objective.precompute_ref_log_probs=true", *forced).planned
     assert not pre.reference and pre.kl_rows  # the policy's KL forward stays
     apo = planned(tmp_path, "objective=kto", "+objective.loss_type=apo_zero_unpaired", *forced).planned
@@ -163,7 +163,7 @@ def test_packed_kto_rows_are_b_documents_of_the_longest_row_with_the_same_forwar
     assert run.packing and run.attn_implementation == "pair_varlen"
     assert (s.packing, s.sequences, s.reference, s.kl_rows, s.max_length) == (True, 1, True, True, 700)
     assert run.predicted["tokens_per_micro_batch"] == 4 * 700
-    assert sz_memory.no_grad_forwards(s, run_data(tmp_path, "kto")) == [(4, 700), (4, 700)]
+    assert sz_memory.no_grad_forwards(s, run_data(tmp_path, "kto")) == [(4, 700, 2800), (4, 700, 2800)]
     assert any(r.startswith("plan: an example is one packed row of up to 700 tokens") for r in run.reasons)
     assert "kto rows packed: no padding, each row one document (reprotune.preference.packed)" in run.reasons
     tight = ("train.per_device_train_batch_size=4", "hardware.memory_budget_gib=17", "hardware.embedding_on_host=false")

@@ -93,7 +93,8 @@ STAGES: dict[str, Stage] = {
     "prepare_pairs": Stage("prepare", "Preference pairs: data.preference.path -> data/pairs (make prepare ARGS=objective=dpo)",
                            ["${data.preference.path}", *LOCKS],
                            ["data/pairs/train.jsonl", "data/pairs/holdout.jsonl", "data/pairs/rejected.jsonl",
-                            "data/pairs/manifest.json", "data/pairs/report.json", "data/pairs/pii_report.json"],
+                            "data/pairs/manifest.json", "data/pairs/report.json", "data/pairs/pii_report.json",
+                            "data/pairs/train_lengths.json"],
                            ["data/pairs/metrics.json"], ["data/pairs/lengths.png"], preference=True, target="prepare"),
     # objective.init_adapter defaults to the SFT adapter: trained further, its frozen copy the reference
     "train_pref": Stage("train", "DPO/ORPO/KTO from the SFT adapter -> outputs/pref/adapter (make train ARGS=objective=dpo)",

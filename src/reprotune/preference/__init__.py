@@ -22,6 +22,9 @@ WITH_REFERENCE = ("dpo", "kto")
 PACKED_OBJECTIVES = ("dpo", "kto", "orpo")
 # objectives whose examples are pairs (a prompt and two answers; KTO's rows are one sequence each)
 PAIRED_OBJECTIVES = ("dpo", "orpo")
+# next to the prepared pairs' train.jsonl: each training pair's packed tokens in its order (make prepare writes it,
+# the plan reads it: reprotune.sizing.draws)
+PAIR_LENGTHS_FILE = "train_lengths.json"
 # the two composed configs DVC's stages run with (reprotune.config.dump_chain_params writes both)
 SFT_PARAMS, PREF_PARAMS = "params", "params_pref"
 

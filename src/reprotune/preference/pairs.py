@@ -7,7 +7,8 @@ Reads   data.preference.path (default: data.path) in a preference format (reprot
 Writes  the same files as the SFT prepare (reprotune.prepare writes the manifest): train.jsonl and holdout.jsonl
         with one canonical row per line ({prompt, chosen, rejected} or KTO's {prompt, completion, label}),
         rejected.jsonl (records skipped with data.on_invalid=skip), report.json, pii_report.json, metrics.json
-        (numbers only), lengths.png.
+        (numbers only), lengths.png, train_lengths.json (each training pair's packed tokens, in train.jsonl's
+        order: the plan sizes the micro-batches the run will draw from it, reprotune.sizing.draws).
 
 Steps: read and validate (every problem at once); drop exact duplicates; report ties (chosen == rejected) and drop
 or keep them (data.preference.ties); scrub PII in one pass over every pair's texts, so a value becomes the same
@@ -30,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from reprotune.errors import ReprotuneError
 from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
+from reprotune.preference import PAIR_LENGTHS_FILE
 from reprotune.preference.formats import FORMATS, PairRecord, raw_records, read_preference_data
 
 log = logging.getLogger("reprotune.preference")
@@ -191,6 +193,13 @@ def row_line(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False) + "\n").encode()
 
 
+def lengths_bytes(packed: list[int]) -> bytes:
+    """train_lengths.json: each training pair's packed tokens in train.jsonl's order, which the plan reads to
+    size the micro-batches the run will draw (reprotune.sizing.draws)."""
+    return (json.dumps({"unit": "tokens of the packed pair (the prompt once, both answers; "
+                                "reprotune.preference.packed)", "packed_pair_tokens": packed}) + "\n").encode()
+
+
 def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
     """The pairs read, cleaned, scrubbed, measured and split; every output but the manifest written at once."""
     from reprotune.prepare_report import distribution, plot_lengths, rejected_bytes
@@ -261,6 +270,7 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
         out / "report.json": (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
         out / "pii_report.json": (json.dumps(pii_report, indent=2, sort_keys=True) + "\n").encode(),
         out / "metrics.json": (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode(),
+        out / PAIR_LENGTHS_FILE: lengths_bytes(packed_train),
         out / "lengths.png": plot_tmp,
     })
     log.info("pairs: %s", {k: v for k, v in report["pairs"].items() if k != "ties"} | {"ties": len(ties)})

@@ -37,7 +37,14 @@ from reprotune.preference import (
 )
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
-from reprotune.sizing.memory import GIB, Settings, input_embedding_bytes, memory_budget, needed_bytes
+from reprotune.sizing.memory import (
+    GIB,
+    Settings,
+    drawn_tokens,
+    input_embedding_bytes,
+    memory_budget,
+    needed_bytes,
+)
 from reprotune.sizing.shape import (
     DataShape,
     PlanError,
@@ -456,7 +463,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         reasons.append(f"plan: {err} (no memory fit)")
         shape = None
     padded = padded_preference(cfg, p)
-    data = load_data_shape(cfg, padded=padded) if data == "prepared" else data
+    data = load_data_shape(cfg, padded=padded, world_size=hw.world_size) if data == "prepared" else data
     if shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "dpo":
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers); the reference forward runs without gradients")
@@ -493,6 +500,11 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
             reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
                            f"{budget / GIB:.1f} GiB budget")
         offload, tile, host = planned.offload, planned.tiled_mlp, planned.host_embedding
+        drawn = drawn_tokens(planned, data)
+        if drawn:
+            reasons.append(f"plan: the largest micro-batch of {planned.batch_size} pairs this run draws holds {drawn} "
+                           f"tokens (its seeded order, reprotune.sizing.draws), not {planned.batch_size} x the "
+                           f"longest pair = {planned.batch_size * planned.max_length}")
         if host:
             freed = input_embedding_bytes(shape.vocab * shape.hidden, planned)
             reasons.append(f"input embedding on the host: {freed / GIB:.2f} GiB of GPU memory for activations, its "

@@ -50,10 +50,21 @@ class Settings:
 
 
 def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
-    """Tokens in the largest micro-batch: packed rows are filled up to max_length; unpacked batches are padded
-    to their longest example, and the data's longest example is in some batch of an epoch (padded preference
-    pairs: 2 rows per pair, each as long as the longest sequence)."""
+    """Tokens in the largest micro-batch: packed rows are filled up to max_length (packed pairs: the largest
+    micro-batch of B pairs the run draws, where the data knows it); unpacked batches are padded to their longest
+    example, and the data's longest example is in some batch of an epoch (padded preference pairs: 2 rows per
+    pair, each as long as the longest sequence)."""
+    drawn = drawn_tokens(s, data)
+    if drawn:
+        return drawn
     return rows(s) * (s.max_length if s.packing else longest_sequence(s, data))
+
+
+def drawn_tokens(s: Settings, data: DataShape | None) -> int | None:
+    """The largest micro-batch of s.batch_size packed pairs the run will draw (reprotune.sizing.draws), else None."""
+    if not s.packing or data is None or not data.drawn_batch_tokens:
+        return None
+    return dict(data.drawn_batch_tokens).get(s.batch_size)
 
 
 def rows(s: Settings) -> int:
@@ -66,13 +77,18 @@ def longest_sequence(s: Settings, data: DataShape | None) -> int:
     return s.max_length if data is None else min(data.max_tokens, s.max_length)
 
 
-def no_grad_forwards(s: Settings, data: DataShape | None) -> list[tuple[int, int]]:
-    """(rows, sequence length) of each forward without gradients of a micro-step: the reference's over the
+def no_grad_forwards(s: Settings, data: DataShape | None) -> list[tuple[int, int, int]]:
+    """(rows, longest sequence, tokens) of each forward without gradients of a micro-step: the reference's over the
     micro-batch's rows, KTO's KL batch (B rows of a prompt and another example's completion: at most twice the
     longest sequence, and max_length)."""
-    out = [(rows(s), s.max_length if s.packing else longest_sequence(s, data))] if s.reference else []
+    if s.reference and drawn_tokens(s, data):  # packed pairs: the drawn micro-batch, a pair at most max_length
+        out = [(rows(s), s.max_length, drawn_tokens(s, data))]
+    else:
+        seq = s.max_length if s.packing else longest_sequence(s, data)
+        out = [(rows(s), seq, rows(s) * seq)] if s.reference else []
     if s.kl_rows:
-        out.append((s.batch_size, min(s.max_length, 2 * longest_sequence(s, data))))
+        seq = min(s.max_length, 2 * longest_sequence(s, data))
+        out.append((s.batch_size, seq, s.batch_size * seq))
     return out
 
 
@@ -144,14 +160,15 @@ def mlp_tokens(s: Settings, tokens: int) -> int:
     return min(tokens, s.tiled_mlp if s.packing else s.tiled_mlp * rows(s))
 
 
-def no_grad_forward_bytes(shape: Shape, s: Settings, n_rows: int, seq: int, consts: dict[str, Any]) -> float:
-    """The transient of a forward without gradients over n_rows rows of seq tokens (the reference's, KTO's KL
-    rows): nothing is kept for a backward, so at most one layer's tensors are alive at once (with eager attention,
-    its scores)."""
+def no_grad_forward_bytes(shape: Shape, s: Settings, n_rows: int, seq: int, consts: dict[str, Any],
+                          tokens: int | None = None) -> float:
+    """The transient of a forward without gradients over n_rows rows of at most seq tokens, `tokens` in all
+    (default n_rows x seq; the reference's, KTO's KL rows): nothing is kept for a backward, so at most one layer's
+    tensors are alive at once (with eager attention, its scores: each row's at most seq x its length)."""
     a = consts["activations"]
-    ng, tokens = a["no_grad_forward"], n_rows * seq
+    ng, tokens = a["no_grad_forward"], n_rows * seq if tokens is None else tokens
     per = ng["h_coef"] * shape.hidden * tokens + ng["i_coef"] * shape.intermediate * mlp_tokens(s, tokens)
-    scores = n_rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
+    scores = shape.heads * seq * tokens * a["eager_score_bytes"] if s.eager_attention else 0.0
     return per * s.dtype_bytes / 2 + scores
 
 
@@ -171,9 +188,10 @@ def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, A
     # the tiled MLP (reprotune.tiled_mlp) keeps no intermediates: a recomputed layer's live for one tile at a time
     recompute = narrow * tokens + wide * mlp_tokens(s, tokens)
     base = a["base_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2
-    n_rows = rows(s)
-    seq = tokens // max(n_rows, 1)
-    eager_layer = n_rows * shape.heads * seq * seq * a["eager_score_bytes"] if s.eager_attention else 0.0
+    # eager scores: a row's length squared; drawn packed pairs are at most max_length each (sum of squares <= the
+    # longest x the sum)
+    seq = s.max_length if s.packing else tokens // max(rows(s), 1)
+    eager_layer = shape.heads * seq * tokens * a["eager_score_bytes"] if s.eager_attention else 0.0
     backward = (a["backward_h_coef"] * shape.hidden * tokens
                 + a["backward_i_coef"] * shape.intermediate * mlp_tokens(s, tokens))
     # a recomputed layer frees its MLP's saved tensors as its backward goes: less of both is alive at once
@@ -226,8 +244,8 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
     # after the policy's forward, its activations saved: they add a transient, never saved activations. Without a
     # reference, KTO's KL rows go through the policy (no_grad) before its forward: nothing saved yet.
     # (each forward's largest moment: one decoder layer, or its LM head's tiles)
-    no_grad = max([max(no_grad_forward_bytes(shape, s, n, seq, consts), lm_head_bytes(shape, n * seq, share, consts))
-                   for n, seq in no_grad_forwards(s, data)], default=0.0)
+    no_grad = max([max(no_grad_forward_bytes(shape, s, n, seq, consts, t), lm_head_bytes(shape, t, share, consts))
+                   for n, seq, t in no_grad_forwards(s, data)], default=0.0)
     if no_grad:
         dynamic = max(dynamic, (saved if s.reference else 0.0) + no_grad + dequant)
     allocated = static + dynamic

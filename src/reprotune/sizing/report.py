@@ -144,7 +144,8 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
     tables = load_tables()
     consts = tables["memory"]
     shape = shape or model_shape(cfg.model)
-    data = load_data_shape(cfg, padded=preference_padded_on(cfg, described))  # rows as the run will batch them
+    # rows as the run will batch them (packed pairs: the micro-batches it will draw on these processes)
+    data = load_data_shape(cfg, padded=preference_padded_on(cfg, described), world_size=described.world_size)
     run = run or decide(cfg, described, shape, data)
     s, mem, budget = run.planned, run.predicted, run.budget_bytes
     base = configured_settings(cfg, described)

@@ -155,6 +155,9 @@ class DataShape:
     tokenizer_model: str | None
     overlong: int
     source: str
+    # packed pairs: ((B, the largest micro-batch's tokens), ...) of the micro-batches the run will draw
+    # (reprotune.sizing.draws); empty: a micro-batch is bounded by B copies of the longest pair
+    drawn_batch_tokens: tuple[tuple[int, int], ...] = ()
 
 
 def data_shape_from_prepared(prepared: Path | str) -> dict[str, Any]:
@@ -217,10 +220,11 @@ def padded_shape_from_prepared(prepared: Path | str, objective: str) -> dict[str
             "source": str(prepared)}
 
 
-def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | None:
+def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int = 1) -> DataShape | None:
     """The prepared training data's shape: conversations, or (a preference objective) packed pairs, or with
     `padded` the padded rows of TRL's preference trainers (None: DPO and ORPO with train.packing other than false
-    are packed pairs, as on the GPU; KTO and unpacked pairs are padded; KTO's rows are the same packed or padded)."""
+    are packed pairs, as on the GPU; KTO and unpacked pairs are padded; KTO's rows are the same packed or padded).
+    Packed pairs carry the largest micro-batch the run will draw on `world_size` processes, where that is known."""
     from reprotune.preference import PAIRED_OBJECTIVES, is_preference, objective_name
 
     # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
@@ -235,5 +239,11 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None) -> DataShape | 
         # KTO's rows are the same sequences packed or padded: only packed pairs are counted another way
         found = (pair_shape_from_prepared(prepared) if paired and not padded
                  else padded_shape_from_prepared(prepared, name))
+        if found and paired and not padded:
+            from reprotune.sizing.draws import drawn_batch_tokens
+
+            global_batch = int(cfg.train.per_device_train_batch_size) * int(cfg.train.gradient_accumulation_steps)
+            found["drawn_batch_tokens"] = drawn_batch_tokens(cfg, prepared, found["prepared_max_length"],
+                                                             global_batch, world_size)
         return DataShape(**found) if found else None
     return DataShape(**data_shape_from_prepared(prepared))
