@@ -38,8 +38,10 @@ def predict_entry(entry: dict[str, Any], consts: dict[str, Any] | None = None,
     shape = model_shape(cfg.model)
     p = count_params(shape, list(s.targets), s.r, s.dora)
     data = DataShape(**entry["data_shape"])
-    if entry.get("plan_bound") == "longest_pair_rows":  # packed DPO pairs: rows of the recorded longest pair
+    if entry.get("plan_bound") in ("longest_pair_rows", "drawn_batches"):  # packed pairs: the longest pair
         s = replace(s, max_length=data.max_tokens)
+    if entry.get("plan_bound") == "drawn_batches":  # and the largest micro-batch the measured run drew
+        data = replace(data, drawn_batch_tokens=tuple((int(b), int(t)) for b, t in entry["drawn_batch_tokens"]))
     mem = memory(shape, p, s, data, consts or load_table("memory.yaml"))
     tps, _ = tokens_per_second(shape, s, data, "H200", {"throughput": throughput or load_table("throughput.yaml")})
     return {"peak_gib": mem["peak_gib"], "reserved_gib": mem["reserved_gib"], "tokens_per_second": round(tps),
