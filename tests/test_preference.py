@@ -101,6 +101,20 @@ def test_prepare_reports_ties_and_duplicates_and_splits_by_prompt(tmp_path: Path
     assert kept["pairs"]["train"] + kept["pairs"]["holdout"] == 5
 
 
+def test_prepare_records_each_training_pairs_packed_tokens_in_order(tmp_path: Path) -> None:
+    """data/pairs/train_lengths.json: one number per train.jsonl row, the row's packed tokens as measured with
+    the model's tokenizer (what the plan draws micro-batches from, reprotune.sizing.draws)."""
+    from reprotune.models import load_tokenizer, resolve_model_dir
+    from reprotune.preference.pairs import sequence_lengths
+
+    train, _, report = prepared(tmp_path, FIX / "trl_conversational.jsonl", "data.holdout_fraction=0.5")
+    recorded = json.loads((tmp_path / "data" / "pairs" / "train_lengths.json").read_text())["packed_pair_tokens"]
+    cfg = compose([f"paths.root={tmp_path}", "model=tiny_random"])
+    tokenizer = load_tokenizer(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
+    assert recorded == [sequence_lengths(tokenizer, row)[1] for row in train] and len(set(recorded)) > 1
+    assert sum(recorded) == report["tokens"]["packed_pair_train"]["total"]
+
+
 def test_pii_is_replaced_alike_in_prompt_chosen_and_rejected(tmp_path: Path) -> None:
     train, holdout, _ = prepared(tmp_path, FIX / "pii.jsonl", "data.scrub=true", "data.pii.names=false",
                                  "data.holdout_fraction=0")
