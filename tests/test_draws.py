@@ -202,3 +202,14 @@ def sz_shape_of(root: Path, cfg) -> object:
     from reprotune.sizing.shape import load_data_shape
 
     return load_data_shape(cfg)
+
+
+def test_the_plan_counts_a_preference_runs_own_steps_and_pairs(tmp_path: Path) -> None:
+    """The run's length as the trainer gets it: objective.max_steps wins over train.max_steps, and a packed
+    micro-batch holds B pairs (not B rows filled to the longest pair), so 400 pairs are 25 steps of 16."""
+    from reprotune.sizing.report import make_plan
+
+    write_bench_like_pairs(tmp_path, bench_lengths())
+    plan = make_plan(dpo_cfg(tmp_path, "objective.max_steps=60", "train.max_steps=50"))
+    assert (plan["run"]["steps"], plan["run"]["steps_per_epoch"], plan["run"]["epochs"]) == (60, 25, 2.4)
+    assert any(w.startswith("objective.max_steps=60 passes over the 400 examples 2.4 times") for w in plan["warnings"])

@@ -24,6 +24,7 @@ from reprotune.sizing.decide import (
     decide,
     preference_padded_on,
 )
+from reprotune.sizing.draws import run_keys
 from reprotune.sizing.fit import checkpointing_words, describe, overrides_for
 from reprotune.sizing.memory import GIB, Settings, memory, weight_bytes
 from reprotune.sizing.shape import (
@@ -75,8 +76,9 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
     if data.tokenizer_model and tokenizer_id(data.tokenizer_model) != tokenizer_id(str(model.name)):
         out.append(f"token counts come from {data.tokenizer_model}'s tokenizer (prepared for it), not {model.name}'s: "
                    "re-run make prepare with this model for exact counts")
-    if run and run["epochs"] > 1.0 and int(cfg.train.max_steps) > 0:
-        out.append(f"train.max_steps={cfg.train.max_steps} passes over the {data.examples} examples "
+    if run and run["epochs"] > 1.0 and run_keys(cfg)["max_steps"] > 0:
+        where = "objective" if cfg.objective.get("max_steps") is not None else "train"
+        out.append(f"{where}.max_steps={run_keys(cfg)['max_steps']} passes over the {data.examples} examples "
                    f"{run['epochs']:.1f} times: the dataset is small for this step count (overfitting risk)")
     if data.examples < s.batch_size * s.grad_accum:
         out.append(f"{data.examples} examples are fewer than one optimizer step's batch "

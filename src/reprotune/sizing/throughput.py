@@ -12,6 +12,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune import speed
+from reprotune.preference import is_preference
+from reprotune.sizing.draws import run_keys
 from reprotune.sizing.memory import Settings
 from reprotune.sizing.shape import DataShape, Shape
 
@@ -149,13 +151,14 @@ def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: st
 def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
     if data is None:
         return {}
-    if s.packing:
+    if s.packing and not is_preference(cfg):
         batches = math.ceil(math.ceil(data.total_tokens / s.max_length) / s.batch_size)
     else:
         batches = math.ceil(data.examples / s.batch_size)
     steps_per_epoch = max(1, math.ceil(batches / s.grad_accum))
-    max_steps = int(cfg.train.max_steps)
-    steps = max_steps if max_steps > 0 else math.ceil(steps_per_epoch * float(cfg.train.num_train_epochs))
+    keys = run_keys(cfg)  # a preference run's objective.max_steps / num_train_epochs win over train's
+    max_steps = keys["max_steps"]
+    steps = max_steps if max_steps > 0 else math.ceil(steps_per_epoch * keys["num_train_epochs"])
     epochs = steps / steps_per_epoch
     return {"examples": data.examples, "tokens_per_epoch": data.total_tokens, "steps_per_epoch": steps_per_epoch,
             "steps": steps, "epochs": round(epochs, 3), "tokens_trained": int(epochs * data.total_tokens)}
