@@ -213,3 +213,12 @@ def test_the_plan_counts_a_preference_runs_own_steps_and_pairs(tmp_path: Path) -
     plan = make_plan(dpo_cfg(tmp_path, "objective.max_steps=60", "train.max_steps=50"))
     assert (plan["run"]["steps"], plan["run"]["steps_per_epoch"], plan["run"]["epochs"]) == (60, 25, 2.4)
     assert any(w.startswith("objective.max_steps=60 passes over the 400 examples 2.4 times") for w in plan["warnings"])
+
+
+def test_fewer_rows_than_a_batch_with_drop_last_draw_nothing_and_end() -> None:
+    """dataloader_drop_last with fewer rows than B: the trainer takes no micro-batch; the draw ends (it looped
+    forever before) and such a B gets no drawn size (the plan keeps the bound there)."""
+    keys = {"seed": 42, "max_steps": 5, "num_train_epochs": 1.0, "drop_last": True, "strategy": "random",
+            "seedable": True, "keep_global_batch": True}
+    assert draws.drawn_micro_batches(3, 8, 2, keys) == []
+    assert draws.longest_drawn([10, 20, 30], [1, 8], 16, keys) == {1: 30, 8: 0}

@@ -63,8 +63,8 @@ def longest_drawn(lengths: list[int], batch_sizes: list[int], global_batch: int,
     """For each batch size B (global_batch = B x accumulation: the configured rows x accumulation, which the fit
     keeps): the most tokens any micro-batch of the run holds, over every process and every micro-batch its steps
     take."""
-    return {b: max(sum(lengths[i] for i in batch)
-                   for batch in drawn_micro_batches(len(lengths), b, global_batch // b, keys, world_size))
+    return {b: max((sum(lengths[i] for i in batch)
+                    for batch in drawn_micro_batches(len(lengths), b, global_batch // b, keys, world_size)), default=0)
             for b in batch_sizes}
 
 
@@ -86,6 +86,8 @@ def drawn_micro_batches(n: int, b: int, accum: int, keys: dict[str, Any], world_
         shards = ([list(batches)] if world_size == 1 else
                   [list(BatchSamplerShard(batches, world_size, i, split_batches=False, even_batches=True))
                    for i in range(world_size)])
+        if not shards[0]:  # drop_last with fewer rows than a batch: the trainer takes no micro-batch at all
+            break
         steps = min(left, math.ceil(len(shards[0]) / per_step))  # an epoch's last step may take fewer
         for shard in shards:
             out.extend(shard[:steps * per_step])
@@ -124,5 +126,5 @@ def drawn_batch_tokens(cfg: DictConfig, prepared: Path | str, prepared_max_lengt
     if not lengths:
         return ()
     sizes = [b for b in range(1, global_batch + 1) if global_batch % b == 0]  # what the fit may pick
-    found = longest_drawn(lengths, sizes, global_batch, run_keys(cfg), world_size)
+    found = {b: t for b, t in longest_drawn(lengths, sizes, global_batch, run_keys(cfg), world_size).items() if t}
     return tuple(sorted(found.items()))
