@@ -141,6 +141,26 @@ def test_stack_exchange_paired_through_the_key_mapping_keeps_every_text(tmp_path
     assert len(longest["response_j"]) == 9196 and not any(r["chosen"] == longest["response_j"] for r in rows)
 
 
+def test_trl_standard_explicit_prompt_text_keeps_prompt_and_answers_as_written(tmp_path: Path) -> None:
+    """TRL's standard layout with an explicit prompt: a text prompt and text answers (Anthropic HH test rows as
+    EdgeRLHF split them: the prompt up to the last Assistant turn, both answers after it, each stripped)."""
+    name = "edgerlhf_hh_rlhf_test_prefs.jsonl"
+    rows, report = run(tmp_path, name)
+    read, dups, ties, overlong, train, holdout = counts(report)
+    assert (read, dups, ties, overlong) == (100, 0, 0, 0) and report["inputs"][0]["format"] == "trl"
+    assert train + holdout == len(rows) == 100
+    src = source(name)
+    assert {key(r) for r in rows} == {key(r) for r in src}  # all 100: prompt, chosen, rejected as written
+    multi = [r for r in rows if r["prompt"].count("\n\nHuman: ") >= 3]  # a multi-turn prompt stays one text
+    assert multi and all(r["prompt"].startswith("Human: ") and not r["prompt"].endswith("Assistant:") for r in multi)
+    # two of these rows are records of Anthropic's own harmless-base test file (the HH sample beside this one):
+    # the prompt, the Assistant marker and an answer give back Anthropic's transcripts, chosen and rejected
+    hh = {r["chosen"]: r["rejected"] for r in source("hh_rlhf_harmless_base_test.jsonl")}
+    joined = lambda r, answer: f"\n\n{r['prompt']}\n\nAssistant: {r[answer]}"  # noqa: E731
+    same = [r for r in rows if joined(r, "chosen") in hh]
+    assert len(same) == 2 and all(hh[joined(r, "chosen")] == joined(r, "rejected") for r in same)
+
+
 def test_ultrafeedback_binarized_rows_are_read_as_trl_implicit_prompt_conversations(tmp_path: Path) -> None:
     rows, report = run(tmp_path, "firefly_ultrafeedback_binarized_dummy_dpo.jsonl")
     # read as preference pairs (TRL's layout), not as the SFT conversations its "messages" key also holds
