@@ -193,12 +193,13 @@ def test_a_text_prompt_that_the_conversations_do_not_hold_is_one_line() -> None:
 @pytest.mark.parametrize(("name", "over"), [("llamafactory_dpo_en_demo.json", ()),
                                             ("hh_rlhf_harmless_base_test.jsonl", ()),
                                             ("firefly_ultrafeedback_binarized_dummy_dpo.jsonl", ()),
-                                            ("torchtune_stack_exchange_paired_tiny.json", (SE_KEYS,))])
+                                            ("torchtune_stack_exchange_paired_tiny.json", (SE_KEYS,)),
+                                            ("edgerlhf_hh_rlhf_test_prefs.jsonl", ())])
 def test_the_default_max_length_drops_long_real_pairs_and_says_how_many(tmp_path: Path, name: str,
                                                                           over: tuple[str, ...]) -> None:
     _, _, report = prepared(tmp_path, REAL / name, *over)  # data.max_length=512, the built-in task's
     dropped = report["pairs"]["overlong"]["dropped"]
     assert dropped == {"llamafactory_dpo_en_demo.json": 32, "hh_rlhf_harmless_base_test.jsonl": 3,
                        "firefly_ultrafeedback_binarized_dummy_dpo.jsonl": 9,
-                       "torchtune_stack_exchange_paired_tiny.json": 21}[name]
+                       "torchtune_stack_exchange_paired_tiny.json": 21, "edgerlhf_hh_rlhf_test_prefs.jsonl": 7}[name]
     assert report["pairs"]["train"] + report["pairs"]["holdout"] + dropped == report["pairs"]["read"]
