@@ -56,13 +56,26 @@ def small_invoices(root: Path) -> None:
     write_jsonl(root / "data/raw/invoices.jsonl", rows)
 
 
-# The modules that take longest on 2 cores, longest first (ranked from the --durations of full and fast-lane runs
-# on the 2-core CI machine); the others follow in collection order. With --dist loadgroup each module is one unit
-# of work (ModuleScheduling below), handed to whichever worker is free: started first, a long module runs beside
-# the many short ones instead of being handed to one worker at the end while the other idles.
-LONGEST_FIRST = ("test_docker", "test_distributed", "test_packing", "test_dvc", "test_make_pipeline", "test_failures",
-                 "test_families_export", "test_repro_golden", "test_eval", "test_resume", "test_repro",
-                 "test_export_smollm2", "test_export_gguf", "test_e2e_smollm2", "test_train")
+# The modules that take longest on 2 cores, longest first (ranked from the --durations=0 of a fresh-clone CI run on
+# the 2-core CI machine, 2026-12-05: seconds of one worker in the comments); the others follow in collection order.
+# With --dist loadgroup each module is one unit of work (ModuleScheduling below), handed to whichever worker is
+# free: started first, a long module runs beside the many short ones instead of being handed to one worker at the
+# end while the other idles (test_repro_any_cpu, 337 s, missing here, ran last: one worker finished 347 s after the
+# other). test_eval carries the shared SmolLM2 run's build (~175 s), whichever of its three users asks first.
+LONGEST_FIRST = ("test_make_pipeline",  # 481
+                 "test_docker",  # 414
+                 "test_eval",  # 353
+                 "test_failures",  # 273
+                 "test_repro_any_cpu",  # 337 at four rows a batch (two since: 303 beside test_make_pipeline)
+                 "test_preference_packed",  # 168
+                 "test_dvc",  # 162
+                 "test_repro_golden", "test_distributed",  # 135, 134
+                 "test_families_export",  # 116
+                 "test_preference",  # 95
+                 "test_export_smollm2", "test_packing", "test_repro",  # 81, 80, 74
+                 "test_export_pref", "test_resume", "test_run_settings",  # 60, 58, 50
+                 "test_train", "test_export_gguf", "test_plan",  # 49, 49, 41
+                 "test_long_context", "test_families", "test_draws", "test_e2e_smollm2")  # 28, 28, 26, 12 (+ its wait)
 
 
 def module_of(nodeid: str) -> str:

@@ -176,43 +176,67 @@ def _append_comment(root: Path, rel: str) -> None:
     path.write_text(path.read_text() + "# touched by tests/test_make_pipeline.py\n")
 
 
-# (what changes, extra ARGS, a file edited, the stages expected to run), applied one after the other
+def _stale(root: Path, env: dict, extra: tuple[str, ...]) -> list[str]:
+    """The stages `make repro ARGS=...` would run first: params.yaml and params_pref.yaml written as make repro
+    writes them (reprotune.runner.write_params), then `dvc status`, DVC's own test of changed deps and params."""
+    stage_env = {**env, "PYTHONPATH": str(root / "src")}
+    code = f"from reprotune.runner import write_params; write_params('all', {[*TINY, *extra]!r}, False)"
+    run([sys.executable, "-c", code], root, stage_env)
+    proc = subprocess.run([str(VENV / "bin/dvc"), "status", "--json"], cwd=root, env=stage_env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [name.rsplit(":", 1)[-1] for name in json.loads(proc.stdout or "{}")]
+
+
+E8 = ("eval.max_new_tokens=8",)
+# (what changes, extra ARGS, a file edited, the stages expected, how), applied one after the other. "run": make
+# repro runs them and the change stays. "stale": `dvc status` names them and the change is undone, no stage runs:
+# here each would be llama.cpp's convert, quantize and parity in both chains (~2 min of the 2-core box), and which
+# stages a change reaches is DVC's status either way; the "run" rows show make repro acting on it, the cascade to
+# the stages after a re-run one included.
 MATRIX = [
-    ("nothing", (), None, []),
-    ("eval.max_new_tokens=8", ("eval.max_new_tokens=8",), None, ["eval", "eval_pref"]),
-    ("export.parity.max_new_tokens=8", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"), None,
-     ["gguf", "gguf_pref"]),
-    ("edit src/reprotune/modelfile.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
-     "src/reprotune/modelfile.py", ["gguf", "gguf_pref"]),
-    ("edit src/reprotune/metrics.py", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8"),
-     "src/reprotune/metrics.py", ["eval", "eval_pref"]),
-    ("export.merge.prompts=3", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3"),
-     None, ["merge", "gguf", "merge_pref", "gguf_pref"]),
-    ("train.max_steps=4", ("eval.max_new_tokens=8", "export.parity.max_new_tokens=8", "export.merge.prompts=3",
-                           "train.max_steps=4"), None, ["train", "eval", "merge", "gguf", *PREF[1:]]),
+    ("nothing", (), None, [], "run"),
+    ("eval.max_new_tokens=8", E8, None, ["eval", "eval_pref"], "run"),
+    ("export.parity.max_new_tokens=8", (*E8, "export.parity.max_new_tokens=8"), None, ["gguf", "gguf_pref"],
+     "stale"),
+    ("edit src/reprotune/modelfile.py", E8, "src/reprotune/modelfile.py", ["gguf", "gguf_pref"], "stale"),
+    ("edit src/reprotune/metrics.py", E8, "src/reprotune/metrics.py", ["eval", "eval_pref"], "run"),
+    ("export.merge.prompts=3", (*E8, "export.merge.prompts=3"), None, ["merge", "gguf", "merge_pref", "gguf_pref"],
+     "run"),
+    ("train.max_steps=4", (*E8, "export.merge.prompts=3", "train.max_steps=4"), None,
+     ["train", "eval", "merge", "gguf", *PREF[1:]], "run"),
 ]
 
 
 def test_rerun_matrix(clone: tuple[Path, dict], chain: dict) -> None:
-    """make repro (all stages of both chains) after each change: which stages ran."""
+    """make repro (all stages of both chains) after each change: which stages ran (or, for a "stale" row, which
+    dvc status names before the change is undone)."""
     root, env = clone
     ran = make(root, "repro", env)  # make train/eval/gguf, with and without objective=dpo, left nothing to do
-    rows = [("first make repro, after make train/eval/gguf with and without objective=dpo", ran)]
+    rows = [("first make repro, after make train/eval/gguf with and without objective=dpo", ran, "run")]
     assert ran == []
-    for label, extra, edited, expected in MATRIX:
+    current: tuple[str, ...] = ()  # the ARGS the outputs were last built with
+    for label, extra, edited, expected, how in MATRIX:
+        kept = (root / edited).read_text() if edited else None
         if edited:
             _append_comment(root, edited)
-        ran = make(root, "repro", env, extra)
-        rows.append((label, ran))
+        if how == "run":
+            ran, current = make(root, "repro", env, extra), extra
+        else:
+            ran = _stale(root, env, extra)
+            if edited:
+                (root / edited).write_text(kept)
+            assert _stale(root, env, current) == [], f"{label}: undoing it left stages stale"
+        rows.append((label, ran, how))
         assert sorted(ran, key=[*ALL, *PREF].index) == expected, (label, ran)
     # the model cache somewhere else: no stage reads where it is, so nothing re-runs
     other = dict(env, REPROTUNE_CACHE=str(root.parent / "other-cache"))
     ran = make(root, "repro", other, MATRIX[-1][1])
-    rows.append(("REPROTUNE_CACHE elsewhere", ran))
+    rows.append(("REPROTUNE_CACHE elsewhere", ran, "run"))
     assert ran == []
     print("\n| change | stages re-run |\n|---|---|")
-    for label, ran in rows:
-        print(f"| {label} | {', '.join(ran) or 'none'} |")
+    for label, ran, how in rows:
+        print(f"| {label} | {', '.join(ran) or 'none'}{' (stale in dvc status; undone, not run)' if how == 'stale' else ''} |")
 
 
 def test_a_preference_stage_refuses_sft_params_in_one_line(clone: tuple[Path, dict], chain: dict) -> None:

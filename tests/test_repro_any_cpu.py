@@ -20,9 +20,11 @@ import pytest
 
 from .test_repro_golden import child_run
 
-# Two optimizer steps: every kind of op of the golden run (forward, backward, the AdamW update, clipping) runs;
-# under emulation a step takes ~45 s on the 2-core CI box.
-STEPS = "train.max_steps=2"
+# Two optimizer steps: every kind of op of the golden run (forward, backward, the AdamW update, clipping) runs, and
+# the second one moves the adapter (the first runs at warm-up's learning rate 0). Two rows a batch, not the golden
+# four: still padded rows (the masked attention the golden run takes), at half the tokens; under emulation the run
+# takes ~3 min on an idle 2-core box (~5 min at four rows).
+STEPS = ("train.max_steps=2", "train.per_device_train_batch_size=2")
 # the emulated CPU of the other maker (QEMU's models; both have AVX2 and FMA, the pinned level)
 OTHER_MAKER = {"AuthenticAMD": "Haswell-v4", "GenuineIntel": "EPYC-Milan"}
 
@@ -34,9 +36,9 @@ def test_a_run_gives_the_same_bytes_on_an_emulated_cpu_of_the_other_maker(tmp_pa
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
         pytest.skip("qemu-x86_64 is not installed (apt-get install qemu-user; .ci/run installs it)")
-    native = child_run(tmp_path / "native", {}, STEPS)
+    native = child_run(tmp_path / "native", {}, *STEPS)
     model = OTHER_MAKER.get(native["cpu_vendor"], "Haswell-v4")
-    emulated = child_run(tmp_path / "emulated", {}, STEPS, launcher=(qemu, "-cpu", model))
+    emulated = child_run(tmp_path / "emulated", {}, *STEPS, launcher=(qemu, "-cpu", model))
     # the manifest reads /proc/cpuinfo, which QEMU's user mode leaves the host's; QEMU's own lines show the
     # model was applied (it names the model's features its emulator lacks)
     assert "qemu-x86_64: warning: TCG doesn't support requested feature" in emulated["stderr"], \
