@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,66 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
             return nodeid.split("::", 1)[0]
 
     return ModuleScheduling(config, log)
+
+
+# CPU seconds per test phase (this process and the children it waited for: the stages, torchrun, QEMU, llama.cpp),
+# beside pytest's wall seconds: on two cores a test's wall time depends on what the other worker runs, its CPU time
+# much less (docs/testing-time.md). Printed at the end of the run, summed per module.
+CPU_KEY = "cpu_seconds"
+_PHASE_CPU = pytest.StashKey[float]()
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _timed_phase(item: pytest.Item) -> Iterator[None]:
+    start = cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        item.stash[_PHASE_CPU] = cpu_seconds() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _timed_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _timed_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    return (yield from _timed_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    report = yield
+    if _PHASE_CPU in item.stash:
+        report.user_properties.append((CPU_KEY, item.stash[_PHASE_CPU]))
+        del item.stash[_PHASE_CPU]
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
+    """The modules that used most CPU (the reports reach the controller with their user_properties)."""
+    cpu: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():  # type: ignore[attr-defined]
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == CPU_KEY:
+                    module = module_of(report.nodeid)
+                    cpu[module] = cpu.get(module, 0.0) + value
+    if cpu:
+        top = sorted(cpu.items(), key=lambda kv: -kv[1])[:25]
+        terminalreporter.write_sep("=", f"CPU seconds per module (top {len(top)}; all: {sum(cpu.values()):.0f})")  # type: ignore[attr-defined]
+        for module, seconds in top:
+            terminalreporter.write_line(f"{seconds:8.1f}  {module}")  # type: ignore[attr-defined]
 
 
 def session_dir(factory: pytest.TempPathFactory) -> Path:
