@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from reprotune.speed import steady_rate
+from reprotune.speed import idle_gaps_report, steady_rate
 
 
 def marks_from(step_seconds: list[float], tokens_per_step: int = 17_600) -> list[tuple[int, float, int]]:
@@ -37,3 +39,28 @@ def test_never_above_the_median_step() -> None:
 
 def test_too_few_steps() -> None:
     assert steady_rate(marks_from([5.0, 5.0])) is None
+
+
+def _event(name: str, device: str, start: float, end: float, thread: int = 1, children: tuple = ()) -> SimpleNamespace:
+    event = SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), is_async=False, thread=thread,
+                            time_range=SimpleNamespace(start=start, end=end), cpu_parent=None,
+                            cpu_children=list(children))
+    for child in children:
+        child.cpu_parent = event
+    return event
+
+
+def test_idle_gaps_are_summed_by_what_the_host_was_doing() -> None:
+    """The profile's idle-gap table (torch.profiler's FunctionEvent fields): a gap while a host op runs goes to
+    that op and its innermost child on any thread; a gap between ops to the op last finished."""
+    sync = _event("cudaStreamSynchronize", "CPU", 108, 390)
+    events = [_event("k1", "CUDA", 0, 100), _event("k2", "CUDA", 102, 110), _event("k3", "CUDA", 400, 500),
+              _event("aten::item", "CPU", 106, 395, children=(sync,)),
+              _event("aten::mm", "CPU", 505, 520, thread=2), _event("k4", "CUDA", 2500, 2600)]
+    report = idle_gaps_report(events).splitlines()
+    # 100-102 (under 5 us: left out), 110-400 (290 us, aten::item running), 500-2500 (2 ms, after aten::mm on the other thread)
+    assert report[0].startswith("GPU idle gaps >= 5 us: 2.3 ms of 2.6 ms (88.1%)")
+    assert report[2].split() == ["2.0", "1", "(python,", "between", "ops)", "|", "after", "aten::mm"]
+    assert report[3].split() == ["0.3", "1", "aten::item", "|", "cudaStreamSynchronize"]
+    assert len(report) == 4
+    assert idle_gaps_report([_event("aten::mm", "CPU", 0, 1)]) == "idle gaps: no device events recorded"

@@ -175,12 +175,88 @@ def profiler_callback(steps: tuple[int, int], out_table: str):
                     busy = sum(a.self_cuda_time_total for a in averages) / 1e6
                 # where the host spends its time: a GPU that waits on Python shows up as busy << wall
                 cpu = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90)
+                gaps = idle_gaps_report(self.prof.events())
                 os.makedirs(os.path.dirname(out_table), exist_ok=True)
                 with open(out_table, "w") as fh:
                     fh.write(f"torch.profiler, optimizer steps {steps[0]}..{steps[1]}: {wall:.3f} s wall, "
                              f"{busy:.3f} s of GPU kernels ({busy / wall:.1%} busy; overlapping streams can "
-                             f"exceed 100%)\n{table}\n\nby host time\n{cpu}\n")
+                             f"exceed 100%)\n{table}\n\nby host time\n{cpu}\n\n{gaps}\n")
+                trace = os.environ.get("REPROTUNE_PROFILE_TRACE")
+                if trace:  # a Chrome trace for a closer look (large: only when asked)
+                    self.prof.export_chrome_trace(trace)
                 log.info("profile of steps %s written to %s", steps, out_table)
                 self.prof = None
 
     return Profile()
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _innermost(event: Any, at: float) -> Any:
+    """The deepest child of a host op whose interval holds the time `at`."""
+    for child in getattr(event, "cpu_children", []) or []:
+        if child.time_range.start <= at <= child.time_range.end:
+            return _innermost(child, at)
+    return event
+
+
+def idle_gaps_report(events: Any, top: int = 25, min_us: float = 5.0) -> str:
+    """Where the GPU waits: the idle time between its kernels and copies (merged over streams) in the profiled
+    window, by what the host was doing when each gap began: the outermost and innermost op then running (on the
+    thread that started one last: the Python thread, or autograd's in backward), or the op last finished when
+    none ran (Python between ops; after a synchronisation, the host catching up)."""
+    import bisect
+    from collections import Counter, defaultdict
+
+    device = [e for e in events if e.device_type.name == "CUDA"]
+    host = [e for e in events if e.device_type.name == "CPU" and not getattr(e, "is_async", False)]
+    if not device or not host:
+        return "idle gaps: no device events recorded"
+    busy = _merged([(e.time_range.start, e.time_range.end) for e in device])
+    threads: dict[Any, list[Any]] = defaultdict(list)
+    for e in host:
+        if e.cpu_parent is None:
+            threads[e.thread].append(e)
+    for tops in threads.values():
+        tops.sort(key=lambda e: e.time_range.start)
+    starts = {t: [e.time_range.start for e in tops] for t, tops in threads.items()}
+
+    def cause(at: float) -> tuple[str, str]:
+        running, finished = [], []
+        for t, tops in threads.items():
+            i = bisect.bisect_right(starts[t], at) - 1
+            if i >= 0:
+                (running if tops[i].time_range.end >= at else finished).append(tops[i])
+        if running:
+            op = max(running, key=lambda e: e.time_range.start)
+            return op.name, _innermost(op, at).name
+        last = max(finished, key=lambda e: e.time_range.end).name if finished else ""
+        return "(python, between ops)", f"after {last}"
+
+    by_cause: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    sizes: Counter = Counter()
+    total = 0.0
+    for (_, gap_start), (gap_end, _) in zip(busy, busy[1:], strict=False):
+        gap = gap_end - gap_start
+        if gap < min_us:
+            continue
+        total += gap
+        sizes["< 50 us" if gap < 50 else "50 us - 1 ms" if gap < 1000 else ">= 1 ms"] += gap
+        key = cause(gap_start)
+        by_cause[key][0] += gap
+        by_cause[key][1] += 1
+    span = busy[-1][1] - busy[0][0]
+    lines = [f"GPU idle gaps >= {min_us:g} us: {total / 1e3:.1f} ms of {span / 1e3:.1f} ms "
+             f"({total / span:.1%}); by gap size: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sizes.items()),
+             f"{'idle ms':>9} {'gaps':>6}  host op when the gap began (outermost | innermost)"]
+    for (outer, inner), (us, n) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{us / 1e3:9.1f} {n:6d}  {outer[:60]} | {inner[:60]}")
+    return "\n".join(lines)
