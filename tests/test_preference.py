@@ -230,13 +230,16 @@ def run_train(root: Path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_path: Path, packing: bool) -> None:
-    """TRL's padded pairs, and the packed pairs of reprotune.preference.packed (the GPU default) on the CPU."""
+    """TRL's padded pairs, and the packed pairs of reprotune.preference.packed (the GPU default) on the CPU. The
+    packed rerun collates in a DataLoader worker (the GPU default for packed pairs): the same bytes."""
     records = []
-    for name in ("one", "two"):
+    for name, workers in (("one", 0), ("two", int(packing))):
         pair_workspace(tmp_path / name)
-        records.append(run_train(tmp_path / name, "objective=dpo", f"train.packing={packing}"))
+        records.append(run_train(tmp_path / name, "objective=dpo", f"train.packing={packing}",
+                                 f"hardware.dataloader_workers={workers}"))
     one, two = records
     assert one["run_settings"]["packing"] is packing
+    assert (one["run_settings"]["dataloader_workers"], two["run_settings"]["dataloader_workers"]) == (0, int(packing))
     assert one["run_settings"]["attn_implementation"] == ("pair_dense" if packing else None)
     assert one["outputs"]["adapter"]["sha256"] == two["outputs"]["adapter"]["sha256"]
     assert one["objective"] == {"name": "dpo", "reference": "base (the adapter disabled)", "beta": 0.5,

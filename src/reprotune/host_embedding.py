@@ -43,10 +43,13 @@ def host_table(model: Any) -> Any:
 
 
 def gather_rows(table: Any, ids: Any) -> Any:
-    """table[ids] for ids on the host, into pinned memory where there is a GPU to copy them to."""
+    """table[ids] for ids on the host, into pinned memory where there is a GPU to copy them to (in a DataLoader
+    worker, a fork that must not touch CUDA, into plain memory: the DataLoader's pin thread pins the batch)."""
     import torch
+    from torch.utils.data import get_worker_info
 
-    rows = torch.empty((ids.numel(), table.shape[1]), dtype=table.dtype, pin_memory=torch.cuda.is_available())
+    pin = get_worker_info() is None and torch.cuda.is_available()
+    rows = torch.empty((ids.numel(), table.shape[1]), dtype=table.dtype, pin_memory=pin)
     return torch.index_select(table, 0, ids.reshape(-1), out=rows)
 
 

@@ -52,7 +52,7 @@ def guarantee_keys(cfg: DictConfig, run: RunSettings, keys: dict[str, Any], has_
         activation_checkpointing_kwargs=checkpointing_kwargs(keys, run),
         report_to=[] if report_to in (None, "none") else report_to,
         push_to_hub=False,
-        dataloader_num_workers=0,
+        dataloader_num_workers=run.dataloader_workers,
         dataset_num_proc=None,
         disable_tqdm=False,
         **distributed.trainer_arguments(cfg, run.strategy),

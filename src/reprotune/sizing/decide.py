@@ -122,6 +122,7 @@ class RunSettings:
     activation_offloading: bool      # TRL's: the checkpointed layer inputs wait in pinned host memory
     tiled_mlp_tokens: int            # the MLP over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
     embedding_on_host: bool          # the frozen input embedding stays in host memory (reprotune.host_embedding)
+    dataloader_workers: int          # processes that collate the batches (0: the training process)
     per_device_train_batch_size: int
     gradient_accumulation_steps: int  # of one process keeping the global batch alone (the fitted value)
     world_size: int
@@ -191,6 +192,7 @@ class _Paths:
     norm: str
     fused: bool
     optim: str
+    workers: int
     reasons: tuple[str, ...]
 
 
@@ -249,8 +251,30 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     optim, why = optimizer(cfg, hw.device)
     if why:
         reasons.append(why)
+    workers = dataloader_workers(cfg, hw.device, packing)
+    if workers:
+        reasons.append(f"{workers} DataLoader worker: the collator packs the next micro-batches (and gathers the host "
+                       "embedding's rows) while the GPU computes, not at each step's start")
     return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
-                  fused=fused, optim=optim, reasons=tuple(reasons))
+                  fused=fused, optim=optim, workers=workers, reasons=tuple(reasons))
+
+
+def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
+    """hardware.dataloader_workers: processes that build the batches (the DataLoader's num_workers). auto: one for
+    a packed preference run on CUDA, whose collator packs each micro-batch on the host (and gathers the host
+    embedding's rows): the Trainer draws a step's micro-batches at the step's start, after the logging's
+    synchronisation, so in the main process the GPU waits for them; a worker builds them while it computes. Zero
+    elsewhere (the batches are the same either way: collating draws no random numbers). A worker is a fork of the
+    trainer (the collator holds the model); where processes do not start by fork, none."""
+    import multiprocessing
+
+    chosen = cfg.hardware.get("dataloader_workers", "auto")
+    if _auto(chosen):
+        chosen = int(device == "cuda" and packing and is_preference(cfg))
+    chosen = int(chosen)
+    if chosen < 0:
+        raise ReprotuneError(f"hardware.dataloader_workers: {chosen} is negative (auto, 0 or a number of processes)")
+    return chosen if multiprocessing.get_context().get_start_method() == "fork" else 0
 
 
 NORM_KERNELS = ("liger", "torch")
@@ -524,7 +548,8 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
                        attn_implementation=p.attn, liger=p.liger, norm_kernel=p.norm, fused_lora=p.fused, optim=p.optim,
                        dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
                        checkpoint_every_n_layers=every if ckpt else 1, activation_offloading=bool(offload),
-                       tiled_mlp_tokens=tile, embedding_on_host=bool(host), per_device_train_batch_size=rows,
+                       tiled_mlp_tokens=tile, embedding_on_host=bool(host), dataloader_workers=p.workers,
+                       per_device_train_batch_size=rows,
                        gradient_accumulation_steps=accum, world_size=hw.world_size, strategy=strategy,
                        process_accumulation=process_accum, global_batch=batch_line, budget_bytes=budget,
                        planned=planned, predicted=predicted, fits=fits, fallback=fallback,
