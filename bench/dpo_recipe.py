@@ -6,6 +6,7 @@ invocation (issue #26).
     python bench/dpo_recipe.py --runs ours:lora+strict ours:lora+strict#2        # repro=strict, twice
     python bench/dpo_recipe.py --runs ours:lora@orpo ours:qlora@kto             # another objective, same pairs
     python bench/dpo_recipe.py --runs ours:lora ours:lora~hardware.norm_kernel=torch   # one run's own overrides
+    python bench/dpo_recipe.py --runs ours:lora ours:lora^trl-host-path           # through train_probe.py --trl-host-path
 
 (a) `trl:*`: trl.DPOTrainer as a plain script would write it: LoRA r16 alpha 32 dropout 0.05 on all linear
     layers, batch 4 x grad-accum 4 pairs, max_length 2048, gradient checkpointing, bf16, the reference = the base
@@ -159,10 +160,13 @@ def trl_recipe(model_dir: str, data: Path, method: str, steps: int, result: Path
 
 
 # ------------------------------------------------------------------------------------------- (b) reprotune
-def ours(model: str, method: str, root: Path, steps: int, overrides: list[str], objective: str = "dpo") -> dict:
+def ours(model: str, method: str, root: Path, steps: int, overrides: list[str], objective: str = "dpo",
+         probe: str = "") -> dict:
     # a fresh adapter, reference = the base with it disabled (as the TRL recipe); a preference run reads its pairs
     # from paths.pairs and writes under paths.pref (reprotune.preference.route_paths)
-    cmd = [sys.executable, "-m", "reprotune.train", f"objective={objective}", "objective.init_adapter=null",
+    launcher = ([sys.executable, str(REPO / "bench/train_probe.py"), f"--{probe}", "--"] if probe
+                else [sys.executable, "-m", "reprotune.train"])
+    cmd = [*launcher, f"objective={objective}", "objective.init_adapter=null",
            f"model={model}", f"method={method}",
            f"paths.root={root}", "hardware=gpu", "data.max_length=2048", f"train.max_steps={steps}",
            "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=4",
@@ -207,6 +211,7 @@ def main() -> None:
     for run in args.runs:
         who, spec = run.split(":", 1)
         spec, *run_overrides = spec.split("~")  # ours:lora~hardware.norm_kernel=torch: this run's own overrides
+        spec, _, probe = spec.partition("^")  # ours:lora^trl-host-path: through bench/train_probe.py with that flag
         spec, _, _repeat = spec.partition("#")
         spec, _, objective = spec.partition("@")  # ours:lora@orpo: another objective (default dpo)
         objective = objective or "dpo"
@@ -226,7 +231,7 @@ def main() -> None:
                 if not (root / "data" / "pairs").exists():
                     (root / "data" / "pairs").symlink_to(data.parent.resolve())
                 r = ours(args.model, method, root, args.steps, [*args.overrides, *([f"repro={mode}"] if mode else []), *run_overrides],
-                         objective)
+                         objective, probe)
         except subprocess.CalledProcessError as err:
             r = {"failed": err.returncode}
         if "failed" not in r:

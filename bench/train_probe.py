@@ -2,10 +2,13 @@
 
     python bench/train_probe.py --memory-peak -- objective=dpo model=qwen3_8b_random ...   # what is live at the peak
     python bench/train_probe.py --liger-off rope,swiglu -- objective=dpo ...               # Liger without some kernels
+    python bench/train_probe.py --trl-host-path -- objective=dpo ...                       # TRL's adapter switch
 
 --memory-peak records every CUDA allocation from the start (torch.cuda.memory._record_memory_history), replays
 them after training and prints the allocations live at the peak, summed by where they were made (the innermost
 frame in reprotune, TRL, PEFT, transformers, Liger or torch.utils.checkpoint), largest first.
+--trl-host-path: TRL's reference-adapter switch and the Trainer's per-micro-step FLOPs count as TRL and transformers
+have them (reprotune.preference.trainers.light_use_adapter and its cached count off).
 --liger-off: the Liger kernels (Liger's own names: rope, swiglu, rms_norm) to leave out of train's apply_liger.
 """
 
@@ -55,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-peak", action="store_true")
     parser.add_argument("--liger-off", default="")
+    parser.add_argument("--trl-host-path", action="store_true",
+                        help="TRL's use_adapter and the Trainer's FLOPs count as they are (the A/B of the light ones)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     import torch
@@ -72,6 +77,10 @@ def main() -> None:
                 if norm == "torch":
                     train.use_torch_rms_norm(model)
         train.apply_liger = apply_liger
+    if args.trl_host_path:
+        from reprotune.preference import trainers
+
+        trainers.TRL_HOST_PATH = True
     if args.memory_peak:
         torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
     sys.argv = ["reprotune.train", *args.overrides]

@@ -62,6 +62,65 @@ def _checkpointing_as_set(model: Any, gradient_checkpointing_kwargs: dict | None
     yield
 
 
+# bench/train_probe.py --trl-host-path sets it: TRL's use_adapter and the Trainer's FLOPs count as they are (the A/B
+# of host_light_trainer on the GPU)
+TRL_HOST_PATH = False
+
+
+def _tuner_layers(model: Any) -> list[Any]:
+    """PEFT's adapter layers and wrappers of `model` (what its disable_adapter walks), found once per model."""
+    cached = model.__dict__.get("_reprotune_tuner_layers")
+    if cached is None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        cached = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+        model.__dict__["_reprotune_tuner_layers"] = cached
+    return cached
+
+
+def _switchable(layers: list[Any], adapter_name: str) -> bool:
+    """Every layer is a plain adapter layer that holds `adapter_name` (no modules_to_save or token wrappers, whose
+    set_adapter does more than choose the adapter)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return all(isinstance(m, BaseTunerLayer) and adapter_name in getattr(m, m.adapter_layer_names[0]) for m in layers)
+
+
+def light_use_adapter(trl_use_adapter: Any) -> Any:
+    """TRL's `use_adapter` (the reference forward's adapter switch) for a forward without gradients, minus PEFT's
+    walks. PEFT's disable_adapter first builds the model's status (every module and parameter visited), then sets
+    each layer's disabled flag and requires_grad on every adapter tensor, and again on the way back; set_adapter
+    (TRL's 'ref' adapter) likewise. Measured on the H200 (8B LoRA DPO, 8 pairs a micro-step, `hardware.profile_steps`):
+    ~50 ms of Python a micro-step while the GPU waits. Under no_grad requires_grad changes nothing the forward
+    computes, so only what the layers' forwards read is switched (each layer's disabled flag, or its active adapter)
+    and put back: the same numbers (tests/test_preference.py). With gradients on, or layers whose set_adapter does
+    more, TRL's own."""
+    @contextlib.contextmanager
+    def use_adapter(model: Any, adapter_name: str | None) -> Iterator[None]:
+        import torch
+
+        layers = _tuner_layers(model)
+        if torch.is_grad_enabled() or (adapter_name is not None and not _switchable(layers, adapter_name)):
+            with trl_use_adapter(model, adapter_name):
+                yield
+            return
+        attr, value = ("_disable_adapters", True) if adapter_name is None else ("_active_adapter", adapter_name)
+        # PeftModel's own flag (has_active_enabled_adapter), as its disable_adapter sets it
+        switched = [*layers, model] if adapter_name is None and hasattr(model, "_adapters_disabled") else layers
+        names = [attr] * len(layers) + ["_adapters_disabled"] * (len(switched) - len(layers))
+        before = [getattr(m, a) for m, a in zip(switched, names, strict=True)]
+        for m, a in zip(switched, names, strict=True):
+            setattr(m, a, value)
+        try:
+            yield
+        finally:
+            for m, a, kept in zip(switched, names, before, strict=True):
+                setattr(m, a, kept)
+
+    return use_adapter
+
+
 def reference_keeps_checkpointing(base: type) -> type:
     """`base` (TRL's DPOTrainer or KTOTrainer) with its reference forward run under the checkpointing as set.
 
@@ -80,12 +139,25 @@ def reference_keeps_checkpointing(base: type) -> type:
 
     class KeptCheckpointing(base):
         def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-            trl_toggle = module.disable_gradient_checkpointing
+            trl_toggle, trl_use_adapter = module.disable_gradient_checkpointing, module.use_adapter
             module.disable_gradient_checkpointing = _checkpointing_as_set
+            if not TRL_HOST_PATH:
+                module.use_adapter = light_use_adapter(trl_use_adapter)
             try:
                 return super().compute_loss(*args, **kwargs)
             finally:
-                module.disable_gradient_checkpointing = trl_toggle
+                module.disable_gradient_checkpointing, module.use_adapter = trl_toggle, trl_use_adapter
+
+        def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+            """The Trainer's count (6 x tokens x parameters without the embeddings), the parameters counted once:
+            the Trainer counts them again after every micro-step (~13 ms of Python on an 8B model, with the GPU
+            waiting on the step's synchronisations). The count does not change during a run."""
+            main = getattr(self.model, "main_input_name", "input_ids")
+            if TRL_HOST_PATH or main not in inputs or not hasattr(self.model, "num_parameters"):
+                return super().floating_point_ops(inputs)
+            if "_reprotune_parameters" not in self.__dict__:
+                self._reprotune_parameters = self.model.num_parameters(exclude_embeddings=True)
+            return 6 * inputs[main].numel() * self._reprotune_parameters
 
     KeptCheckpointing.__name__ = KeptCheckpointing.__qualname__ = base.__name__
     return KeptCheckpointing
