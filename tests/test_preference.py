@@ -683,3 +683,84 @@ def test_sharegpt_pairwise_function_call_and_observation_turns_are_tool_messages
             "amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}}}}}
     assert second["chosen"][0]["tool_calls"][0]["function"]["name"] == "convert"  # the preferred answer is a call
     assert second["rejected"] == [a("About 5 USD.")]
+
+
+@pytest.mark.parametrize(("objective", "fixture", "start"), [("dpo", "trl_conversational.jsonl", "fresh"),
+                                                              ("dpo", "trl_conversational.jsonl", "sft_adapter"),
+                                                              ("kto", "kto.jsonl", "fresh")])
+def test_the_light_reference_switch_trains_to_trls_bytes(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                         monkeypatch: pytest.MonkeyPatch, objective: str,
+                                                         fixture: str, start: str) -> None:
+    """The reference forward's adapter switch without PEFT's walks (trainers.light_use_adapter: the base with the
+    adapter disabled, or TRL's 'ref' adapter of the SFT start) and the FLOPs count read once train to the adapter
+    bytes of TRL's own use_adapter and the Trainer's count; and TRL's switch is really left out."""
+    import importlib
+
+    from reprotune.preference import trainers
+
+    trl_module = importlib.import_module(f"trl.trainer.{objective}_trainer")
+    records, trl_switches = [], []
+    for name, trl_path in (("light", False), ("trl", True)):
+        root = tmp_path / name
+        if start == "sft_adapter":
+            shutil.copytree(tiny_adapter_run(tmp_path_factory) / "outputs", root / "outputs")
+        pair_workspace(root, fixture)
+        calls: list[str | None] = []
+        original = trl_module.use_adapter
+        monkeypatch.setattr(trl_module, "use_adapter",
+                            lambda model, adapter_name, _o=original, _c=calls: _c.append(adapter_name) or _o(model, adapter_name))
+        monkeypatch.setattr(trainers, "TRL_HOST_PATH", trl_path)
+        fresh = ["objective.init_adapter=null"] if start == "fresh" else []
+        from reprotune.train import train
+
+        records.append(train(compose([*PAIRS_TRAIN, f"paths.root={root}", f"objective={objective}", *fresh,
+                                      "train.packing=true"])))
+        trl_switches.append(calls)
+        monkeypatch.undo()
+    light, trl = records
+    assert trl_switches[0] == [] and len(trl_switches[1]) >= 2  # one reference forward a micro-step at least
+    assert set(trl_switches[1]) == {"ref" if start == "sft_adapter" else None}
+    assert light["outputs"]["adapter"]["sha256"] == trl["outputs"]["adapter"]["sha256"]
+
+
+def test_the_light_switch_puts_every_flag_back_and_leaves_requires_grad(tmp_path: Path) -> None:
+    """Inside: every adapter layer disabled (or on TRL's 'ref' adapter); after: the flags as they were, and no
+    adapter tensor's requires_grad touched (PEFT's own switch sets and resets them)."""
+    import contextlib
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from reprotune.models import resolve_model_dir
+    from reprotune.preference.trainers import light_use_adapter
+
+    cfg = compose(["model=tiny_random", f"paths.root={tmp_path}"])
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_dir(cfg.model, cfg.paths.model_cache))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.add_adapter("ref", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    unused = contextlib.nullcontext
+    switch = light_use_adapter(lambda *_: unused())
+    with torch.no_grad():
+        with switch(model, None):
+            assert all(m.disable_adapters for m in layers) and model._adapters_disabled
+        assert not any(m.disable_adapters for m in layers) and not model._adapters_disabled
+        with switch(model, "ref"):
+            assert all(m.active_adapters == ["ref"] for m in layers)
+        assert all(m.active_adapters == ["default"] for m in layers)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert any(grads.values())
+    # the FLOPs count read once is the Trainer's
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+    from trl import DPOTrainer
+
+    from reprotune.preference.trainers import reference_keeps_checkpointing
+
+    holder, inputs = SimpleNamespace(model=model), {"input_ids": torch.ones(3, 17, dtype=torch.long)}
+    ours = reference_keeps_checkpointing(DPOTrainer).floating_point_ops
+    assert ours(holder, inputs) == ours(holder, inputs) == Trainer.floating_point_ops(holder, inputs) > 0
+    assert holder._reprotune_parameters == model.num_parameters(exclude_embeddings=True)
