@@ -63,7 +63,7 @@ def _checkpointing_as_set(model: Any, gradient_checkpointing_kwargs: dict | None
 
 
 # bench/train_probe.py --trl-host-path sets it: TRL's use_adapter and the Trainer's FLOPs count as they are (the A/B
-# of host_light_trainer on the GPU)
+# of light_use_adapter and the cached count on the GPU)
 TRL_HOST_PATH = False
 
 

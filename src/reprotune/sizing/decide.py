@@ -253,7 +253,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
         reasons.append(why)
     workers = dataloader_workers(cfg, hw.device, packing)
     if workers:
-        reasons.append(f"{workers} DataLoader worker: the collator packs the next micro-batches (and gathers the host "
+        reasons.append(f"DataLoader workers: {workers}; the collator packs the next micro-batches (and gathers the host "
                        "embedding's rows) while the GPU computes, not at each step's start")
     return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
                   fused=fused, optim=optim, workers=workers, reasons=tuple(reasons))
