@@ -181,9 +181,10 @@ def test_a_lengths_file_that_does_not_match_train_jsonl_is_not_used(tmp_path: Pa
 
 
 def test_eager_scores_of_drawn_pairs_stay_bounded_by_the_longest_pair(tmp_path: Path) -> None:
-    """pair_dense (repro=strict) keeps each document's score matrix: bounded by the longest pair x the tokens."""
+    """pair_dense (asked for by name on a GPU) keeps each document's score matrix: bounded by the longest pair x
+    the tokens."""
     write_bench_like_pairs(tmp_path, bench_lengths())
-    cfg = dpo_cfg(tmp_path, "repro=strict", "hardware.gradient_checkpointing=true")
+    cfg = dpo_cfg(tmp_path, "hardware.attn_implementation=pair_dense", "hardware.gradient_checkpointing=true")
     run = decide(cfg, H200)
     s, data = run.planned, sz_shape_of(tmp_path, cfg)
     assert s.eager_attention and sz_memory.drawn_tokens(s, data)

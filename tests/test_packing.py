@@ -218,12 +218,13 @@ def test_cpu_default_keeps_the_unpacked_path() -> None:
 
 @pytest.mark.parametrize(("extra", "hardware", "want"), [
     ([], {}, "varlen_attention"),                                    # packed CUDA: the varlen kernel
-    (["repro=strict"], {}, "flex_attention"),                        # its backward is not deterministic
+    (["repro=strict"], {}, "varlen_attention"),                      # deterministic backward (runtime.deterministic_kernels)
+    (["repro=fast"], {}, "varlen_attention"),                        # the same kernel, its backward with atomics
     ([], {"varlen_attention": False}, "flex_attention"),             # torch or the GPU without it
     (["hardware.attn_implementation=sdpa"], {}, "sdpa"),            # asked for by name
     (["train.packing=false"], {}, None),                             # unpacked: the library's default
 ])
-def test_packed_gpu_runs_pick_the_varlen_kernel_unless_strict(extra: list[str], hardware: dict, want: str) -> None:
+def test_packed_gpu_runs_pick_the_varlen_kernel_in_every_mode(extra: list[str], hardware: dict, want: str) -> None:
     from dataclasses import replace
 
     run = decide(compose(["model=tiny_random", "hardware=gpu", *extra]), replace(card("H200"), **hardware),

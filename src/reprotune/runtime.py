@@ -30,10 +30,28 @@ def resolve_dtype(cfg: DictConfig, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+REPRO_MODES = ("default", "strict", "fast")
+
+
+def deterministic_kernels(repro: str, device: str) -> bool:
+    """Whether torch runs only deterministic kernels (torch.use_deterministic_algorithms): on CUDA in the default
+    and strict modes, on the CPU in strict (the CPU's kernels are deterministic already, pinned by
+    reprotune.kernels). Under it the FlashAttention varlen backward accumulates dQ per split in a fixed order instead
+    of with atomics, index_put_/index_add_ sort before they add, cuBLAS works in a fixed workspace, and any op
+    without a deterministic kernel raises instead of running. `fast` leaves every CUDA kernel to its fastest form."""
+    if repro not in REPRO_MODES:
+        raise ReprotuneError(f"repro: must be one of {', '.join(REPRO_MODES)}, not {repro!r}")
+    return repro == "strict" or (repro == "default" and device == "cuda")
+
+
 def set_reproducibility(cfg: DictConfig, device: str) -> None:
-    """Seeds everywhere; in repro=strict also deterministic CUDA kernels (slower, byte-identical on GPU). The CPU
-    kernel level was fixed before torch loaded (reprotune.kernels): here it is only checked against the config."""
+    """Seeds everywhere, and the kernels `repro` asks for (deterministic_kernels). strict also fills every
+    uninitialised tensor with NaN (torch.utils.deterministic.fill_uninitialized_memory), which turns a read of
+    memory no kernel wrote into a visible NaN: a check, not a source of determinism, so the default leaves it off
+    (it costs a write of every new buffer). The CPU kernel level was fixed before torch loaded (reprotune.kernels):
+    here it is only checked against the config."""
     import torch
+    import torch.utils.deterministic
     from transformers import set_seed
 
     from reprotune import kernels
@@ -51,17 +69,20 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
                 "OMP_NUM_THREADS=%s overridden: computing with %d threads (hardware.num_threads; the bytes depend on "
                 "it)", user, threads)
         torch.set_num_threads(threads)
-    if cfg.repro == "strict":
+    deterministic = deterministic_kernels(str(cfg.repro), device)
+    if deterministic:
+        # read when cuBLAS creates its handle (the first matrix product, after this): a fixed workspace per stream
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
-    elif cfg.repro != "default":
-        raise ReprotuneError(f"repro: must be 'default' or 'strict', not {cfg.repro!r}")
+    else:
+        torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = cfg.repro == "strict"
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(cfg.hardware.tf32)
         torch.backends.cudnn.allow_tf32 = bool(cfg.hardware.tf32)
-    set_seed(int(cfg.seed), deterministic=cfg.repro == "strict")
+    set_seed(int(cfg.seed))
 
 
 def local_rank() -> int:
@@ -72,21 +93,23 @@ def local_rank() -> int:
 def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False, pairs: bool = False) -> str | None:
     """hardware.attn_implementation, or auto: for packed CUDA runs, torch's FlashAttention varlen kernel where
     the GPU and torch have it (`varlen`: reprotune.varlen_attention, 1.35x flex attention's speed on the H200),
-    and flex attention under repro=strict or without it (it computes only the blocks inside each example, and
-    its backward is deterministic; varlen's is not); eager under repro=strict unpacked (the fused kernels'
-    backward is not deterministic: the measured deterministic path); else None, the library's default (SDPA;
-    on the CPU it takes a packed batch's block-diagonal mask as a dense mask). `pairs`: a preference objective's
-    pairs: packed (DPO, reprotune.preference.packed: the prompt once, no padding) through `pair_varlen` (the varlen
-    kernel over the pair layout) on CUDA, `pair_dense` (a deterministic masked softmax per document) on the CPU and
-    under repro=strict; padded (ORPO, KTO, or packing off: TRL 1.16's trainers pad) on CUDA through the varlen
-    kernel, which unpads each row from its mask, so no attention is computed over padding."""
+    else flex attention (it computes only the blocks inside each example). Both backwards are deterministic under
+    the default and strict modes (deterministic_kernels: the varlen backward then sums dQ in a fixed order).
+    Unpacked: eager under repro=strict on the CPU (the measured deterministic path there), else None, the library's
+    default (SDPA; on the CPU it takes a packed batch's block-diagonal mask as a dense mask). `pairs`: a preference
+    objective's pairs: packed (DPO, reprotune.preference.packed: the prompt once, no padding) through `pair_varlen`
+    (the varlen kernel over the pair layout) on CUDA, `pair_dense` (a masked softmax per document) on the CPU;
+    padded (ORPO, KTO, or packing off: TRL 1.16's trainers pad) on CUDA through the varlen kernel, which unpads
+    each row from its mask, so no attention is computed over padding."""
+    deterministic_kernels(str(cfg.repro), device)  # an unknown mode is refused here too: make plan asks here first
     attn = cfg.hardware.get("attn_implementation", "auto")
     if attn not in (None, "auto"):
         return str(attn)
+    fast = device == "cuda" and varlen
     if pairs and packing:  # DPO's packed pairs (reprotune.preference.packed): their own layout, one of two kernels
-        return "pair_varlen" if device == "cuda" and varlen and cfg.repro != "strict" else "pair_dense"
-    if pairs and device == "cuda" and varlen and cfg.repro != "strict":
+        return "pair_varlen" if fast else "pair_dense"
+    if pairs and fast:
         return "varlen_attention"
     if packing and device == "cuda":
-        return "varlen_attention" if varlen and cfg.repro != "strict" else "flex_attention"
-    return "eager" if cfg.repro == "strict" else None
+        return "varlen_attention" if varlen else "flex_attention"
+    return "eager" if cfg.repro == "strict" and device != "cuda" else None

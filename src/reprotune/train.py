@@ -469,6 +469,7 @@ def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, res
         "train", cfg, out_dir / "manifest.json",
         seeds={"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
         determinism={"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                     "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),
                      "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                      "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
         device=run.device, dtype=run.dtype, resumed_from=resume_from,

@@ -8,8 +8,10 @@ they are (transformers' flex path repeats K/V to every query head first). Measur
 attention shapes (32 query / 8 K/V heads of 128, 16,200 packed tokens in 20 examples), forward + backward:
 flex attention 3.91 ms, varlen 2.89 ms (1.35x), outputs and gradients equal within bf16 rounding.
 
-Its backward is not deterministic (it accumulates dQ with atomics), so repro=strict keeps flex attention
-(reprotune.runtime.attention). A batch without boundaries (an unpacked evaluation batch during training) is
+Its backward accumulates dQ with atomics unless torch's deterministic algorithms are on; then torch passes
+`deterministic` to the kernel, which sums dQ per split in a fixed order (reprotune.runtime.deterministic_kernels
+turns them on in the default mode: byte-identical gradients run to run, bench/attention_determinism.py). A batch
+without boundaries (an unpacked evaluation batch during training) is
 unpadded from its attention mask and goes through the same kernel.
 """
 

@@ -254,7 +254,8 @@ def verify_manifest(path: Path, overrides: list[str] | None = None, keep: bool =
         raise ReprotuneError(f"{path}: the manifest records no output hashes to compare")
     identical = all(v == "identical" for v in outputs.values())
     return {"stage": manifest["stage"], "manifest": str(path), "identical": identical, "outputs": outputs,
-            "inputs_differ": input_differences(manifest, rerun), "rerun_dir": str(tmp) if keep else None}
+            "inputs_differ": input_differences(manifest, rerun), "rerun_dir": str(tmp) if keep else None,
+            "repro": [str((m.get("seeds") or {}).get("repro", "default")) for m in (manifest, rerun)]}
 
 
 # ----------------------------------------------------------------------------------- re-run a git revision
@@ -352,6 +353,10 @@ def print_report(report: dict[str, Any]) -> None:
         first = next(iter(differ))
         print(f"RESULT: different; first recorded difference: {first} {differ[first][0]} "
               f"(inputs that differ: {', '.join(differ)})")
+    elif "fast" in report.get("repro", []):
+        print("RESULT: different, although no recorded input differs: a run was made with repro=fast, whose GPU "
+              "kernels (FlashAttention's backward, index_add) add in whatever order their threads finish; "
+              "repro=default gives the same bytes")
     else:
         print("RESULT: different, although no recorded input differs: the stage is not deterministic here")
 

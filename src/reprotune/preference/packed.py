@@ -29,8 +29,8 @@ unchanged: only the model call is replaced, for the policy and the reference ali
 
 Attention over this layout (`pair_layout` handed to the attention function through the model's kwargs):
 `pair_varlen`, torch's FlashAttention varlen kernel (queries and the gathered keys have their own boundaries; its
-causal window is bottom-right aligned), and `pair_dense`, one masked softmax per document in plain torch (the CPU,
-and repro=strict on a GPU: deterministic). reprotune.runtime.attention picks one.
+causal window is bottom-right aligned; deterministic on CUDA in the default and strict modes), and `pair_dense`,
+one masked softmax per document in plain torch (the CPU). reprotune.runtime.attention picks one.
 """
 
 from __future__ import annotations
