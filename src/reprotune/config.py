@@ -170,14 +170,20 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     return composed
 
 
-def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = None) -> None:
-    """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
-    composed = composed if composed is not None else compose_checked(overrides)
+def params_values(composed: DictConfig) -> dict[str, Any]:
+    """The values params.yaml records for a composed config (what dvc.lock then holds per stage)."""
     # Resolved like DVC's own Hydra composition (dvc exp run -S), so both forms track the same values and
     # an interpolated key (train.max_length: ${data.max_length}) changes in params.yaml when its source does;
     # paths stay unresolved: where things live (REPROTUNE_CACHE) is no parameter of any stage.
     cfg = OmegaConf.to_container(composed, resolve=True)
     cfg["paths"] = OmegaConf.to_container(composed.paths, resolve=False)
+    return cfg
+
+
+def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = None) -> None:
+    """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
+    composed = composed if composed is not None else compose_checked(overrides)
+    cfg = params_values(composed)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
            "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
     header = PARAMS_HEADER if out.name != PREF_PARAMS_FILE else PREF_PARAMS_HEADER
@@ -206,13 +212,8 @@ def is_objective_override(item: str) -> bool:
     return key == "objective" or key.startswith("objective.") or key.startswith("objective/")
 
 
-def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = True) -> DictConfig:
-    """params_pref.yaml from the overrides (objective=dpo added when they name no preference objective), and,
-    with sft, params.yaml from the same overrides without the objective ones: both chains share every setting
-    but the objective (a preference run's own steps and learning rate are objective.* keys, DPOConfig's). Every
-    problem is raised before either file changes. Returns the preference config. Keys of the objective set without
-    naming a preference objective (`++objective.max_steps=2` beside an SFT run's args: make repro, make train) go
-    to the default preference objective's file: only a preference run reads them."""
+def chain_configs(overrides: list[str]) -> tuple[list[str], list[str], DictConfig]:
+    """(the SFT chain's overrides, the preference chain's overrides, its composed config): dump_chain_params'."""
     plain = [o for o in overrides if not is_objective_override(o)]
     pref = compose_checked(overrides)
     pref_over = overrides
@@ -220,6 +221,17 @@ def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = 
         keys = [o for o in overrides if override_key(o).startswith("objective.")]
         pref_over = [*plain, DEFAULT_PREFERENCE, *keys]
         pref = compose_checked(pref_over)
+    return plain, pref_over, pref
+
+
+def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = True) -> DictConfig:
+    """params_pref.yaml from the overrides (objective=dpo added when they name no preference objective), and,
+    with sft, params.yaml from the same overrides without the objective ones: both chains share every setting
+    but the objective (a preference run's own steps and learning rate are objective.* keys, DPOConfig's). Every
+    problem is raised before either file changes. Returns the preference config. Keys of the objective set without
+    naming a preference objective (`++objective.max_steps=2` beside an SFT run's args: make repro, make train) go
+    to the default preference objective's file: only a preference run reads them."""
+    plain, pref_over, pref = chain_configs(overrides)
     base = compose_checked(plain) if sft else None
     dump_params(pref_over, root / PREF_PARAMS_FILE, pref)
     if base is not None:
