@@ -35,7 +35,13 @@ from reprotune import checkpoints, distributed, speed
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
-from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
+from reprotune.models import (
+    base_identity,
+    load_base_model,
+    load_tokenizer,
+    resolve_model_dir,
+    training_chat_template,
+)
 from reprotune.preference import is_preference, objective_name, route_paths
 from reprotune.preference.packed import packed_class, register_pair_attention
 from reprotune.preference.trainers import (
@@ -502,6 +508,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     world = distributed.world()
     distributed.init_process_group(device)
     log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
+    # what the adapter records of its base, resolved before any weights load: a mistake here is known at the start
+    log.info("base model: %s", base_identity(cfg.model)[0])
     rows, val_rows = load_rows(cfg)
     model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg)
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
