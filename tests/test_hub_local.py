@@ -77,4 +77,5 @@ def test_a_hub_preset_from_a_local_copy_trains_and_records_its_hub_id(preset: st
     config = json.loads((root / "outputs/adapter/adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == hub_id
     assert str(tmp_path) not in (root / "outputs/adapter/adapter_config.json").read_text()
-    assert f"`{hub_id}`" in (root / "outputs/adapter/README.md").read_text()
+    card = (root / "outputs/adapter/README.md").read_text()
+    assert f"`{hub_id}`" in card and "private=true (the default for any data)" in card

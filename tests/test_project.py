@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reprotune.config import compose, params_values
+from reprotune.config import compose, name_from_path, params_values, sanitise_name
 from reprotune.errors import ReprotuneError
-from reprotune.project import check_outputs, name_from_path, project_config, protected, sanitise_name
+from reprotune.project import check_outputs, project_config, protected
 from reprotune.runner import Relay, dvc_reason, failure_lines
 
 from .conftest import REPO
@@ -163,3 +163,12 @@ def test_relay_leaves_out_dvcs_git_hints_and_empty_optional_outputs() -> None:
     assert out.getvalue().decode().splitlines() == ["Running stage 'prepare':", "wrote 3 examples",
                                                     "WARNING: 'outputs/x.json' is empty."]
     assert relay.failed == ["ERROR: failed to reproduce 'x': boom"]
+
+
+def test_data_path_without_a_name_names_the_data_after_the_file() -> None:
+    from reprotune.config import compose_checked
+
+    cfg = compose_checked(["model=tiny_random", "data.path=/tmp/My Dates.jsonl"])
+    assert cfg.data.name == "my-dates" and cfg.export.name == "reprotune-my-dates"  # the served model's id, Ollama's
+    assert compose_checked(["data.path=/tmp/x.jsonl", "data.name=mine"]).data.name == "mine"
+    assert compose_checked([]).data.name == "invoices" and compose_checked([]).data.private is True

@@ -147,13 +147,36 @@ def type_problems(overrides: list[str], base: dict, composed: dict) -> list[str]
     return problems
 
 
+def sanitise_name(text: str) -> str:
+    """A name fit for a model id, an Ollama tag and a file name: lower case, [a-z0-9._-], no leading dot."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
+    return name or "data"
+
+
+def name_from_path(path: str) -> str:
+    """data.name for a user's file or folder: its stem (`Dates v2.jsonl` -> `dates-v2`)."""
+    p = Path(path.rstrip("/"))
+    return sanitise_name(p.stem if p.suffix else p.name)
+
+
+def with_data_name(overrides: list[str]) -> list[str]:
+    """data.path given without data.name: the data's name is the file's stem (the adapter card, the eval report, the
+    GGUF's Ollama name and the served model id carry it), not the built-in `invoices`."""
+    given = {override_key(o): o.partition("=")[2] for o in overrides if "=" in o}
+    if given.get("data.path") and "data.name" not in given:
+        return [*overrides, f"data.name={name_from_path(given['data.path'])}"]
+    return overrides
+
+
 def compose_checked(overrides: list[str]) -> DictConfig:
     """compose(), with every user mistake in the overrides as a ReprotuneError of one line each: a credential,
-    an unknown key (with the closest valid name), an unknown preset (with the list), a value of the wrong type."""
+    an unknown key (with the closest valid name), an unknown preset (with the list), a value of the wrong type.
+    data.path without data.name names the data after the file (with_data_name)."""
     from hydra.errors import HydraException
 
     if problems := secret_problems(overrides):
         raise ReprotuneError(problems)
+    overrides = with_data_name(overrides)
     try:
         composed = compose(overrides)
     except (HydraException, OSError) as err:  # MissingConfigException is an OSError too

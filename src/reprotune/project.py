@@ -15,7 +15,6 @@ on; nothing is changed. make prepare, make train and make repro build those outp
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from reprotune.config import CONF_DIR
+from reprotune.config import CONF_DIR, name_from_path, sanitise_name
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text
 
@@ -34,18 +33,6 @@ HEADER = """\
 # conf/config.yaml composes it after every other file: every make target, python -m reprotune.<stage> and
 # dvc exp run use these values; ARGS="..." on one command still override them.
 """
-
-
-def sanitise_name(text: str) -> str:
-    """A name fit for a model id, an Ollama tag and a file name: lower case, [a-z0-9._-], no leading dot."""
-    name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
-    return name or "data"
-
-
-def name_from_path(path: str) -> str:
-    """data.name for a user's file or folder: its stem (`Dates v2.jsonl` -> `dates-v2`)."""
-    p = Path(path.rstrip("/"))
-    return sanitise_name(p.stem if p.suffix else p.name)
 
 
 # ------------------------------------------------------------------------------------------------- make init

@@ -229,6 +229,13 @@ def plot_loss(curves: dict[str, list], out: Path) -> None:
     plt.close(fig)
 
 
+# what data.private means, said on the card itself (privacy by default: true unless the user says otherwise)
+PRIVATE_NOTE = ("private=true (the default for any data): this adapter may reproduce its training data, so `make "
+                "publish` refuses to upload it or a model merged from it. Set data.private=false only for data you "
+                "may share.")
+PUBLIC_NOTE = "private=false: the data was declared shareable (data.private=false), so `make publish` may upload it."
+
+
 def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
     from reprotune.models import base_identity
 
@@ -243,7 +250,7 @@ def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
 
 Load with PEFT on the base: `reprotune.models.load_peft_model("outputs/adapter", "<cache>/models")` (adapter_config.json
 names the base by a stable identity, not a path: a hub id, `builtin:`, `random_init:` or `local:`).
-{"This adapter was trained on private data: do not publish it." if cfg.data.private else ""}
+{PRIVATE_NOTE if cfg.data.private else PUBLIC_NOTE}
 """
     (adapter_dir / "README.md").write_text(text)
 
