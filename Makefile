@@ -57,7 +57,7 @@ DATA ?=
 NAME ?=
 .PHONY: init
 init: venv ## Name your data once: make init DATA=<file|folder> [NAME=...] [ARGS="model=..."] -> conf/project/current.yaml, used by every target
-	$(PY) -m reprotune.project $(if $(DATA),data.path=$(DATA)) $(if $(NAME),data.name=$(NAME)) $(ARGS)
+	$(PY) -m reprotune.project $(if $(DATA),'data.path=$(DATA)') $(if $(NAME),'data.name=$(NAME)') $(ARGS)
 
 # ---------------------------------------------------------------------------------------------- the stages
 DVC = $(VENV)/bin/dvc
