@@ -172,3 +172,21 @@ def test_data_path_without_a_name_names_the_data_after_the_file() -> None:
     assert cfg.data.name == "my-dates" and cfg.export.name == "reprotune-my-dates"  # the served model's id, Ollama's
     assert compose_checked(["data.path=/tmp/x.jsonl", "data.name=mine"]).data.name == "mine"
     assert compose_checked([]).data.name == "invoices" and compose_checked([]).data.private is True
+
+
+class Chunks(io.RawIOBase):
+    """A stream that hands its bytes over in the pieces given (a pipe read while the writer is mid-line)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = list(pieces)
+
+    def read1(self, _n: int = -1) -> bytes:
+        return self.pieces.pop(0) if self.pieces else b""
+
+
+def test_relay_shows_a_partial_line_at_once_and_ends_it_with_its_own_newline() -> None:
+    """A line written in two pieces (the launcher's `+ -m reprotune.train ...`, a progress bar): the first piece
+    shows at once, the newline that ends it is no blank line to hold back, and the next line starts on its own."""
+    out = io.BytesIO()
+    Relay(Chunks([b"+ -m reprotune.train", b"\n", b"next line\n", b"50%|##"]), out)()
+    assert out.getvalue() == b"+ -m reprotune.train\nnext line\n50%|##\n"

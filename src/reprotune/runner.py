@@ -208,6 +208,7 @@ class Relay:
         self.stream, self.out = stream, out
         self.failed: list[str] = []
         self.blank = 0
+        self.partial = False  # the start of the current line is already shown (a progress bar)
 
     def drop(self, line: bytes) -> bool:
         if line.startswith(DVC_FAILED):
@@ -216,6 +217,10 @@ class Relay:
         return not debug() and (line.startswith(DVC_HINTS) or bool(EMPTY_OPTIONAL.match(line.rstrip(b"\r"))))
 
     def line(self, line: bytes) -> None:
+        if self.partial:  # the rest of a line shown in part: its end, newline included, as it comes
+            self.partial = False
+            self.out.write(line + b"\n")
+            return
         if not line.strip():
             self.blank += 1
             return
@@ -234,10 +239,12 @@ class Relay:
                 self.line(line)
             if pending and not any(h.startswith(pending[: len(h)]) for h in (DVC_FAILED, *DVC_HINTS, b"WARNING")):
                 self.out.write(b"\n" * self.blank + pending)  # a progress bar without a newline yet: show it now
-                self.blank, pending = 0, b""
+                self.blank, pending, self.partial = 0, b"", True
             self.out.flush()
         if pending:
             self.line(pending)
+        if self.partial:
+            self.out.write(b"\n")  # the stream ended inside a line: end it, so the next line starts on its own
         self.out.flush()
 
 
