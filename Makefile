@@ -29,7 +29,6 @@ export PYTHONHASHSEED := 0
 # the project runs from this checkout's src/ (also in git worktrees that share one .venv)
 export PYTHONPATH := $(CURDIR)/src
 
-DATA := data/raw/invoices.jsonl
 # Several processes for make train (torchrun): NPROC on this host (default: every GPU with hardware=gpu), and for
 # several hosts NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (docs/gpu.md)
 NPROC ?=
@@ -52,6 +51,13 @@ lock: ## Regenerate lockfiles/ from pyproject.toml (needs uv)
 .PHONY: data
 data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate; then verify the DVC hash
 	@VENV=$(VENV) bash scripts/get_data.sh
+
+# Your own data, named once: conf/project/current.yaml, which every target (and dvc exp run) composes; ARGS still win
+DATA ?=
+NAME ?=
+.PHONY: init
+init: venv ## Name your data once: make init DATA=<file|folder> [NAME=...] [ARGS="model=..."] -> conf/project/current.yaml, used by every target
+	$(PY) -m reprotune.project $(if $(DATA),'data.path=$(DATA)') $(if $(NAME),'data.name=$(NAME)') $(ARGS)
 
 # ---------------------------------------------------------------------------------------------- the stages
 DVC = $(VENV)/bin/dvc

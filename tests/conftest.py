@@ -70,10 +70,11 @@ LONGEST_FIRST = ("test_make_pipeline",  # 481
                  "test_repro_any_cpu",  # 337 at four rows a batch (two since: 303 beside test_make_pipeline)
                  "test_preference_packed",  # 168
                  "test_dvc",  # 162
+                 "test_user_data",  # 127 (issue #50, measured on the loaded box, one process)
                  "test_repro_golden", "test_distributed",  # 135, 134
                  "test_families_export",  # 116
                  "test_preference",  # 95
-                 "test_export_smollm2", "test_packing", "test_repro",  # 81, 80, 74
+                 "test_export_smollm2", "test_packing", "test_hub_local", "test_repro",  # 81, 80, ~80 (#50), 74
                  "test_export_pref", "test_resume", "test_run_settings",  # 60, 58, 50
                  "test_train", "test_export_gguf", "test_plan",  # 49, 49, 41
                  "test_long_context", "test_families", "test_draws", "test_e2e_smollm2")  # 28, 28, 26, 12 (+ its wait)

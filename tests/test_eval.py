@@ -169,14 +169,14 @@ def test_bad_holdout_line_is_one_clear_error(tiny_adapter: Path, tmp_path: Path)
     ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', r":1: messages\[0\]: needs string"),
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "not json"}]}',
      r"holdout.jsonl:1: messages\[-1\].content: the reference answer is not a JSON object, but data.task.type is "
-     r"json \(the built-in invoice task's\); for free-text answers set data.task.type=text$"),
+     r"json; for free-text answers set data.task.type=text \(or auto: inferred from the answers\)$"),
 ])
 def test_holdout_validation(line: str, message: str, tmp_path: Path) -> None:
     holdout = tmp_path / "data/prepared/holdout.jsonl"
     holdout.parent.mkdir(parents=True)
     holdout.write_text(line + "\n")
     with pytest.raises(ReprotuneError, match=message):
-        evaluate(compose(["model=tiny_random", f"paths.root={tmp_path}"]))
+        evaluate(compose(["model=tiny_random", f"paths.root={tmp_path}", "data.task.type=json"]))
     assert not (tmp_path / "outputs").exists()
 
 

@@ -88,9 +88,10 @@ def test_metrics_declared_in_config_without_code() -> None:
 def test_builtin_invoice_task_config() -> None:
     from omegaconf import OmegaConf
 
-    task = OmegaConf.to_container(compose([]).data.task, resolve=True)
+    default = OmegaConf.to_container(compose([]).data.task, resolve=True)
+    task = mx.resolve_task(default, [REF], True, default)  # type auto on the invoice data's JSON answers: json
     mx.check_task(task)
-    assert mx.primary_metric(task) == "field_accuracy"
+    assert task["type"] == "json" and mx.primary_metric(task) == "field_accuracy"
     good = mx.score(REF, REF, task)
     assert good["amounts_ok"] == 1.0 and good["iso_date"] == 1.0
     bad = mx.score(with_changes(date="01.03.2024", tax=19.0), REF, task)

@@ -626,10 +626,10 @@ def test_text_pairs_under_the_json_task_are_one_line_naming_the_row(tmp_path: Pa
 
     rows = [json.loads(x) for x in (FIX / "trl_standard.jsonl").read_text().splitlines()]
     with pytest.raises(ReprotuneError) as err:
-        evaluate(compose([*eval_workspace(tmp_path, tmp_path_factory, rows), "objective=dpo"]))
+        evaluate(compose([*eval_workspace(tmp_path, tmp_path_factory, rows), "objective=dpo", "data.task.type=json"]))
     assert str(err.value) == (f"{tmp_path}/data/pairs/holdout.jsonl:1: chosen: the reference answer is not a JSON "
-                              "object, but data.task.type is json (the built-in invoice task's); for free-text "
-                              "answers set data.task.type=text")
+                              "object, but data.task.type is json; for free-text answers set data.task.type=text (or "
+                              "auto: inferred from the answers)")
     assert not (tmp_path / "outputs/pref/eval").exists()
 
 

@@ -147,13 +147,36 @@ def type_problems(overrides: list[str], base: dict, composed: dict) -> list[str]
     return problems
 
 
+def sanitise_name(text: str) -> str:
+    """A name fit for a model id, an Ollama tag and a file name: lower case, [a-z0-9._-], no leading dot."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
+    return name or "data"
+
+
+def name_from_path(path: str) -> str:
+    """data.name for a user's file or folder: its stem (`Dates v2.jsonl` -> `dates-v2`)."""
+    p = Path(path.rstrip("/"))
+    return sanitise_name(p.stem if p.suffix else p.name)
+
+
+def with_data_name(overrides: list[str]) -> list[str]:
+    """data.path given without data.name: the data's name is the file's stem (the adapter card, the eval report, the
+    GGUF's Ollama name and the served model id carry it), not the built-in `invoices`."""
+    given = {override_key(o): o.partition("=")[2] for o in overrides if "=" in o}
+    if given.get("data.path") and "data.name" not in given:
+        return [*overrides, f"data.name={name_from_path(given['data.path'])}"]
+    return overrides
+
+
 def compose_checked(overrides: list[str]) -> DictConfig:
     """compose(), with every user mistake in the overrides as a ReprotuneError of one line each: a credential,
-    an unknown key (with the closest valid name), an unknown preset (with the list), a value of the wrong type."""
+    an unknown key (with the closest valid name), an unknown preset (with the list), a value of the wrong type.
+    data.path without data.name names the data after the file (with_data_name)."""
     from hydra.errors import HydraException
 
     if problems := secret_problems(overrides):
         raise ReprotuneError(problems)
+    overrides = with_data_name(overrides)
     try:
         composed = compose(overrides)
     except (HydraException, OSError) as err:  # MissingConfigException is an OSError too
@@ -170,14 +193,20 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     return composed
 
 
-def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = None) -> None:
-    """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
-    composed = composed if composed is not None else compose_checked(overrides)
+def params_values(composed: DictConfig) -> dict[str, Any]:
+    """The values params.yaml records for a composed config (what dvc.lock then holds per stage)."""
     # Resolved like DVC's own Hydra composition (dvc exp run -S), so both forms track the same values and
     # an interpolated key (train.max_length: ${data.max_length}) changes in params.yaml when its source does;
     # paths stay unresolved: where things live (REPROTUNE_CACHE) is no parameter of any stage.
     cfg = OmegaConf.to_container(composed, resolve=True)
     cfg["paths"] = OmegaConf.to_container(composed.paths, resolve=False)
+    return cfg
+
+
+def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = None) -> None:
+    """Write the composed, resolved config as a standalone Hydra primary config (params.yaml)."""
+    composed = composed if composed is not None else compose_checked(overrides)
+    cfg = params_values(composed)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
            "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
     header = PARAMS_HEADER if out.name != PREF_PARAMS_FILE else PREF_PARAMS_HEADER
@@ -206,13 +235,8 @@ def is_objective_override(item: str) -> bool:
     return key == "objective" or key.startswith("objective.") or key.startswith("objective/")
 
 
-def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = True) -> DictConfig:
-    """params_pref.yaml from the overrides (objective=dpo added when they name no preference objective), and,
-    with sft, params.yaml from the same overrides without the objective ones: both chains share every setting
-    but the objective (a preference run's own steps and learning rate are objective.* keys, DPOConfig's). Every
-    problem is raised before either file changes. Returns the preference config. Keys of the objective set without
-    naming a preference objective (`++objective.max_steps=2` beside an SFT run's args: make repro, make train) go
-    to the default preference objective's file: only a preference run reads them."""
+def chain_configs(overrides: list[str]) -> tuple[list[str], list[str], DictConfig]:
+    """(the SFT chain's overrides, the preference chain's overrides, its composed config): dump_chain_params'."""
     plain = [o for o in overrides if not is_objective_override(o)]
     pref = compose_checked(overrides)
     pref_over = overrides
@@ -220,6 +244,17 @@ def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = 
         keys = [o for o in overrides if override_key(o).startswith("objective.")]
         pref_over = [*plain, DEFAULT_PREFERENCE, *keys]
         pref = compose_checked(pref_over)
+    return plain, pref_over, pref
+
+
+def dump_chain_params(overrides: list[str], root: Path = Path("."), sft: bool = True) -> DictConfig:
+    """params_pref.yaml from the overrides (objective=dpo added when they name no preference objective), and,
+    with sft, params.yaml from the same overrides without the objective ones: both chains share every setting
+    but the objective (a preference run's own steps and learning rate are objective.* keys, DPOConfig's). Every
+    problem is raised before either file changes. Returns the preference config. Keys of the objective set without
+    naming a preference objective (`++objective.max_steps=2` beside an SFT run's args: make repro, make train) go
+    to the default preference objective's file: only a preference run reads them."""
+    plain, pref_over, pref = chain_configs(overrides)
     base = compose_checked(plain) if sft else None
     dump_params(pref_over, root / PREF_PARAMS_FILE, pref)
     if base is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from reprotune import metrics as mx
 from reprotune.config import CONF_DIR, quantization
@@ -129,8 +129,52 @@ def check_references(examples: Sequence[Example], task: dict) -> None:
         return
     for ex in examples:
         if mx.parse_json_object(ex.reference) is None:
-            raise ReprotuneError(f"{ex.where}: the reference answer is not a JSON object, but data.task.type is json "
-                                 "(the built-in invoice task's); for free-text answers set data.task.type=text")
+            raise ReprotuneError(f"{ex.where}: the reference answer is not a JSON object, but data.task.type is json; "
+                                 "for free-text answers set data.task.type=text (or auto: inferred from the answers)")
+
+
+def builtin_data(cfg: DictConfig) -> bool:
+    """The run's data is the built-in invoice file (whose task conf/data/invoices.yaml describes)."""
+    return Path(str(cfg.data.path)).resolve() == (Path(str(cfg.paths.raw)) / "invoices.jsonl").resolve()
+
+
+# the room an answer gets beyond the longest training answer: tokens, and a fraction of its length
+ANSWER_MARGIN, ANSWER_MARGIN_FRACTION = 16, 0.25
+
+
+def answer_budget(cfg: DictConfig) -> int:
+    """eval.max_new_tokens auto: the longest reference answer of the train split, in the adapter's tokenizer, plus
+    its end-of-turn tokens and a margin (a 10-token answer is no reason to let a rambling base run 128 tokens)."""
+    train_file = Path(cfg.paths.prepared) / "train.jsonl"
+    adapter_dir = Path(cfg.paths.adapter)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ReprotuneError(f"{adapter_dir / 'adapter_config.json'}: file: not found; run 'make train' first")
+    tokenizer = load_tokenizer(adapter_dir)
+    answers = read_holdout(train_file)  # the same reader: its last assistant turn (a pair's chosen) is the answer
+    longest = max(len(tokenizer.encode(ex.reference, add_special_tokens=False)) + len(end_of_turn_ids(tokenizer, ex))
+                  for ex in answers)
+    return longest + max(ANSWER_MARGIN, math.ceil(ANSWER_MARGIN_FRACTION * longest))
+
+
+def settle_task(cfg: DictConfig, examples: Sequence[Example]) -> dict[str, Any]:
+    """data.task and eval.max_new_tokens as this run uses them, written back into cfg (the report and the manifest
+    say what was used): the task type from the reference answers (metrics.resolve_task), the generation budget from
+    the training answers (answer_budget). A value set explicitly wins; a wrong one is one line naming the setting."""
+    builtin_task = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "data" / "invoices.yaml").task, resolve=False)
+    task = mx.resolve_task(OmegaConf.to_container(cfg.data.task, resolve=True), [ex.reference for ex in examples],
+                           builtin_data(cfg), builtin_task)
+    mx.check_task(task)
+    check_references(examples, task)
+    budget = cfg.eval.max_new_tokens
+    if budget == "auto":
+        budget = answer_budget(cfg)
+    elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ReprotuneError(f"eval.max_new_tokens: {budget!r} is not a positive integer or auto")
+    with open_dict(cfg):
+        cfg.data.task = task
+        cfg.eval.max_new_tokens = int(budget)
+    log.info("eval: task %s (metrics %s), max_new_tokens %d", task["type"], ", ".join(mx.metric_names(task)), budget)
+    return task
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -584,8 +628,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     started = time.time()
     route_paths(cfg)  # a preference run: data/pairs/holdout.jsonl and outputs/pref/adapter in, outputs/pref/eval out
-    task = OmegaConf.to_container(cfg.data.task, resolve=True)
-    mx.check_task(task)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     set_reproducibility(cfg, device)
@@ -595,7 +637,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     rows, examples = preference_holdout(cfg, holdout) if is_preference(cfg) else ([], None)
     if examples is None:
         examples = read_holdout(holdout, cfg.eval.max_examples)
-    check_references(examples, task)
+    task = settle_task(cfg, examples)  # data.task.type auto, eval.max_new_tokens auto: from the data
     log.info("eval: %d holdout examples, device=%s dtype=%s batch_size=%d", len(examples), device, dtype,
              batch_size)
 

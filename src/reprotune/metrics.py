@@ -156,10 +156,37 @@ def custom_score(spec: Mapping[str, Any], prediction: str, reference: str) -> fl
     raise ReprotuneError(f"unknown metric kind {kind!r} (one of {', '.join(CUSTOM_KINDS)})")
 
 
+TASK_TYPES = ("auto", "json", "text")
+# what describes the built-in invoice data only (conf/data/invoices.yaml): left out for a user's data unless set
+BUILTIN_ONLY = ("fields", "field_types", "metrics", "primary_metric")
+
+
+def resolve_task(task: Mapping[str, Any], references: Sequence[str], builtin: bool,
+                 builtin_task: Mapping[str, Any]) -> dict[str, Any]:
+    """data.task as evaluate scores it. type auto: json when every reference answer is a JSON object, else text.
+    For a user's data (builtin False) the invoice task's own fields, metrics and primary metric (values equal to
+    builtin_task's) are dropped, and a json task's fields are the references' keys; a value set explicitly wins."""
+    if task.get("type") not in TASK_TYPES:
+        raise ReprotuneError(f"data.task.type: {task.get('type')!r} is not one of {', '.join(TASK_TYPES)} (auto: json "
+                             "when every reference answer is a JSON object, else text)")
+    resolved = dict(task)
+    if resolved["type"] == "auto":
+        objects = [parse_json_object(r) for r in references]
+        resolved["type"] = "json" if references and all(o is not None for o in objects) else "text"
+    if builtin:
+        return resolved
+    for key in BUILTIN_ONLY:
+        if key in resolved and resolved[key] == builtin_task.get(key):
+            resolved[key] = {"fields": [], "field_types": {}, "metrics": [], "primary_metric": None}[key]
+    if resolved["type"] == "json" and not resolved.get("fields"):
+        resolved["fields"] = sorted({k for r in references for k in (parse_json_object(r) or {})})
+    return resolved
+
+
 def check_task(task: Mapping[str, Any]) -> None:
     """Fail before any model runs if data.task cannot be scored; the message names the bad key."""
     if task.get("type") not in ("json", "text"):
-        raise ReprotuneError(f"data.task.type must be 'json' or 'text', not {task.get('type')!r}")
+        raise ReprotuneError(f"data.task.type: {task.get('type')!r} is not one of {', '.join(TASK_TYPES)}")
     if task["type"] == "json" and not task.get("fields"):
         raise ReprotuneError("data.task.fields: a json task must list the fields to score")
     for field, type_name in (task.get("field_types") or {}).items():
@@ -186,8 +213,9 @@ def check_task(task: Mapping[str, Any]) -> None:
         if spec["kind"] == "json_field" and not ("field" in spec or spec.get("fields")):
             raise ReprotuneError(f"{where}: json_field needs 'field' or 'fields'")
     if task.get("primary_metric") and task["primary_metric"] not in metric_names(task):
-        raise ReprotuneError(f"data.task.primary_metric {task['primary_metric']!r} is not one of "
-                                f"{', '.join(metric_names(task))}")
+        raise ReprotuneError(f"data.task.primary_metric: {task['primary_metric']!r} is not a metric of this "
+                             f"{task['type']} task; set data.task.primary_metric to one of "
+                             f"{', '.join(metric_names(task))} (or null: the task's own)")
 
 
 # ---------------------------------------------------------------------------------------------- the task

@@ -246,19 +246,28 @@ def base_identity(model_cfg: Any) -> tuple[str, str | None]:
     raise ReprotuneError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
 
 
+def preset_hub_id(name: str, conf_dir: Path | None = None) -> str | None:
+    """The hub id conf/model/<name>.yaml names (`path` of a `source: hub` preset), read from the file itself: no
+    second Hydra composition, which fails inside a running Hydra app (every stage's main)."""
+    from omegaconf import OmegaConf
+
+    from reprotune.config import CONF_DIR
+
+    file = (conf_dir or CONF_DIR) / "model" / f"{name}.yaml"
+    if not file.is_file():
+        return None
+    preset = OmegaConf.load(file)
+    path = preset.get("path")
+    return str(path) if preset.get("source") == "hub" and isinstance(path, str) and path else None
+
+
 def _hub_id(model_cfg: Any) -> str:
     """The hub id of a hub preset, also when model.path points at a local copy of it (the README's
     `model=qwen3_8b model.path=/models/Qwen3-8B`): the preset's own path, never the host's directory."""
     path = str(model_cfg.path)
     if not Path(path).is_dir():
         return path
-    from reprotune.config import compose
-
-    try:
-        preset = compose([f"model={model_cfg.name}"]).model
-    except Exception:  # noqa: BLE001 - model.name is no preset (a renamed one): nothing to look the id up in
-        preset = None
-    hub_id = str(preset.path) if preset is not None and preset.source == "hub" and preset.path else None
+    hub_id = preset_hub_id(str(model_cfg.name))
     if hub_id is None or Path(hub_id).is_dir():
         raise ReprotuneError(f"model.path: {path} is a local directory, and model '{model_cfg.name}' names no hub id "
                              "to record instead of it (use model.source=local for a model of your own)")

@@ -80,7 +80,8 @@ STAGES: dict[str, Stage] = {
                     "outputs/train/plan.json"],  # the preflight's decision (on a GPU with its memory plan)
                    ["outputs/train/metrics.json"], ["outputs/train/loss.png"], command="distributed"),
     "eval": Stage("evaluate", "Base vs fine-tuned on the holdout -> outputs/eval",
-                  ["data/prepared/holdout.jsonl", "outputs/adapter", *LOCKS],
+                  # train.jsonl: eval.max_new_tokens auto is the longest training answer's length
+                  ["data/prepared/holdout.jsonl", "data/prepared/train.jsonl", "outputs/adapter", *LOCKS],
                   ["outputs/eval/predictions.jsonl", "outputs/eval/report.md", "outputs/eval/manifest.json"],
                   ["outputs/eval/metrics.json"], ["outputs/eval/comparison.png"]),
     "merge": Stage("merge", "Merge the adapter into the full-precision base -> outputs/merged",
@@ -105,7 +106,8 @@ STAGES: dict[str, Stage] = {
                         preference=True, target="train"),
     "eval_pref": Stage("evaluate", "Base vs SFT vs preference adapter on the holdout pairs -> outputs/pref/eval "
                        "(make eval ARGS=objective=dpo)",
-                       ["data/pairs/holdout.jsonl", "outputs/pref/adapter", "outputs/adapter", *LOCKS],
+                       ["data/pairs/holdout.jsonl", "data/pairs/train.jsonl", "outputs/pref/adapter", "outputs/adapter",
+                        *LOCKS],
                        ["outputs/pref/eval/predictions.jsonl", "outputs/pref/eval/report.md",
                         "outputs/pref/eval/manifest.json"],
                        ["outputs/pref/eval/metrics.json"], ["outputs/pref/eval/comparison.png"], preference=True,

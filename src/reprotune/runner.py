@@ -13,6 +13,9 @@ In this order, so that nothing is lost or mis-recorded:
    value of the wrong type is one line, and params.yaml is left as it was. With a preference objective in the
    ARGS (and for make repro) params_pref.yaml too, and params.yaml from the same ARGS without the objective ones
    (`config.dump_chain_params`); the target's stage is then the preference one (make train -> train_pref).
+   Then, still before params.yaml changes: the data the stages read exists (check_data), and a target that only
+   consumes the prepared data and the adapter (eval, merge, gguf) would not rebuild another run's
+   (reprotune.project.check_outputs): one line each, nothing changed.
 3. **dvc repro** in its own process group; SIGTERM/SIGINT/SIGHUP to this process (make forwards nothing, so
    this process also asks for SIGTERM when make itself dies) are passed on to the whole group: dvc, the
    stage and its workers stop at once. The stage outputs are `persist: true` in dvc.yaml, so DVC no longer
@@ -20,7 +23,9 @@ In this order, so that nothing is lost or mis-recorded:
    failed, refused or stopped stage therefore leaves the previous outputs and dvc.lock as they were.
 4. **One line about it.** The stage hands its error lines to this runner through a file
    (errors.PROBLEMS_FILE_ENV) instead of printing them, and the runner prints the reason and what it kept as
-   one line (failure_lines); DVC's own "failed to reproduce" line is left out.
+   one line (failure_lines); DVC's own "failed to reproduce" line is left out (its reason kept when the stage never
+   ran), and so are its git hints and its warning about an empty rejected.jsonl (REPROTUNE_DEBUG=1 shows them).
+   Exit status 2 when the failure has such a reason, 1 for a crash (its traceback above).
 """
 
 from __future__ import annotations
@@ -29,19 +34,21 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from reprotune.errors import (
     EXIT_USER_ERROR,
     KEPT,
     PROBLEMS_FILE_ENV,
     ReprotuneError,
+    debug,
     die_with_parent,
     user_errors,
 )
@@ -112,15 +119,17 @@ def kept_line(stage: str, how: str) -> str:
     return f"make {target}: {how}; the previous outputs of {whose} are kept as they were{kept}, as dvc.lock records them"
 
 
-def failure_lines(stage: str, how: str, handoff: Path = PROBLEMS) -> list[str]:
+def failure_lines(stage: str, how: str, handoff: Path = PROBLEMS, reason: str | None = None) -> list[str]:
     """What the user reads when the stage failed: its problems and what was kept, the last problem and the kept
-    note joined, so one problem is one line (several: one each, then the count with the kept note)."""
+    note joined, so one problem is one line (several: one each, then the count with the kept note). reason: DVC's,
+    when the stage never ran (dvc_reason)."""
     try:
         told = json.loads(handoff.read_text(encoding="utf-8"))
         problems = [p.removesuffix(KEPT) for p in told["problems"]]
         total = int(told["total"])
     except (OSError, ValueError, KeyError, TypeError):
-        return [kept_line(stage, how)]  # the stage said nothing through the file (a crash, a signal)
+        # the stage said nothing through the file: DVC's reason if the stage never ran, else a crash or a signal
+        return [f"{reason}; {kept_line(stage, how)}" if reason else kept_line(stage, how)]
     if len(problems) == 1:
         return [f"{problems[0]}; {kept_line(stage, how)}"]
     return [*problems, kept_line(stage, f"{how} ({total} problems)")]
@@ -181,48 +190,98 @@ def _dvc_in_group() -> None:
 
 
 DVC_FAILED = b"ERROR: failed to reproduce"
+# DVC's hints after a stage ran, for a user of git and dvc by hand; make's user reads them after every target
+# (make push is the kit's way). REPROTUNE_DEBUG=1 shows them again.
+DVC_HINTS = (b"To track the changes with git, run:", b"\tgit add ", b"To enable auto staging, run:",
+             b"\tdvc config core.autostage true", b"Use `dvc push` to send your updates to remote storage.")
+# an output that is empty when all is well (no record rejected): DVC's "'<path>' is empty." warning says nothing
+EMPTY_OPTIONAL = re.compile(rb"^WARNING: '[^']*rejected\.jsonl' is empty\.$")
 
 
-def _relay(stream: IO[bytes], out: IO[bytes]) -> None:
-    """Copy dvc's stderr through, minus DVC's own 'ERROR: failed to reproduce ...' line: the stage printed
-    the reason and this runner prints what was kept, so the user reads one line about the failure."""
-    pending = b""
-    while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536):
-        pending += chunk
-        lines = pending.split(b"\n")
-        pending = lines.pop()
-        for line in lines:
-            if not line.startswith(DVC_FAILED):
-                out.write(line + b"\n")
-        if pending and not DVC_FAILED.startswith(pending[: len(DVC_FAILED)]):
-            out.write(pending)  # a progress bar without a newline yet: show it now
-            pending = b""
-        out.flush()
-    if pending and not pending.startswith(DVC_FAILED):
-        out.write(pending)
-        out.flush()
+class Relay:
+    """Copy a stream of dvc's through, minus the lines `drop` names: DVC's own "failed to reproduce" line (kept as
+    `failed`: its reason is the user's when the stage never ran, a missing dependency), its git hints and its
+    empty-output warnings. Blank lines before a dropped line go with it; a progress bar without a newline yet is
+    shown at once."""
+
+    def __init__(self, stream: IO[bytes], out: IO[bytes]) -> None:
+        self.stream, self.out = stream, out
+        self.failed: list[str] = []
+        self.blank = 0
+        self.partial = False  # the start of the current line is already shown (a progress bar)
+
+    def drop(self, line: bytes) -> bool:
+        if line.startswith(DVC_FAILED):
+            self.failed.append(line.decode("utf-8", "replace"))
+            return True
+        return not debug() and (line.startswith(DVC_HINTS) or bool(EMPTY_OPTIONAL.match(line.rstrip(b"\r"))))
+
+    def line(self, line: bytes) -> None:
+        if self.partial:  # the rest of a line shown in part: its end, newline included, as it comes
+            self.partial = False
+            self.out.write(line + b"\n")
+            return
+        if not line.strip():
+            self.blank += 1
+            return
+        if not self.drop(line):
+            self.out.write(b"\n" * self.blank + line + b"\n")
+        self.blank = 0
+
+    def __call__(self) -> None:
+        pending = b""
+        read = self.stream.read1 if hasattr(self.stream, "read1") else self.stream.read
+        while chunk := read(65536):
+            pending += chunk
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                self.line(line)
+            if pending and not any(h.startswith(pending[: len(h)]) for h in (DVC_FAILED, *DVC_HINTS, b"WARNING")):
+                self.out.write(b"\n" * self.blank + pending)  # a progress bar without a newline yet: show it now
+                self.blank, pending, self.partial = 0, b"", True
+            self.out.flush()
+        if pending:
+            self.line(pending)
+        if self.partial:
+            self.out.write(b"\n")  # the stream ended inside a line: end it, so the next line starts on its own
+        self.out.flush()
 
 
-def dvc_repro(stage: str) -> tuple[int, int | None]:
-    """Run `dvc repro [stage]` guarded; (exit status, the signal that stopped it or None)."""
+def dvc_reason(failed: list[str]) -> str | None:
+    """DVC's own reason for a stage that never ran (`[Errno 2] No such file or directory: 'x.jsonl'`), or None when
+    the stage's command ran and failed (its own lines, or its traceback, said why)."""
+    for line in failed:
+        reason = re.sub(r"^ERROR: failed to reproduce '[^']*':\s*", "", line).strip()
+        if reason and not reason.startswith("failed to run:") and not line.startswith(reason):
+            return reason
+    return None
+
+
+def dvc_repro(stage: str) -> tuple[int, int | None, list[str]]:
+    """Run `dvc repro [stage]` guarded; (exit status, the signal that stopped it or None, DVC's failure lines)."""
     import threading
 
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
            PROBLEMS_FILE_ENV: str(PROBLEMS.resolve())}
     cmd = [str(Path(bindir) / "dvc"), "repro", *([] if stage == "all" else [stage])]
-    child = subprocess.Popen(cmd, env=env, preexec_fn=_dvc_in_group, stderr=subprocess.PIPE)  # noqa: PLW1509
+    child = subprocess.Popen(cmd, env=env, preexec_fn=_dvc_in_group, stderr=subprocess.PIPE,  # noqa: PLW1509
+                             stdout=subprocess.PIPE)
     forward = Forwarder(child)
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
-    relay = threading.Thread(target=_relay, args=(child.stderr, sys.stderr.buffer), daemon=True)
-    relay.start()
+    relays = [Relay(child.stderr, sys.stderr.buffer), Relay(child.stdout, sys.stdout.buffer)]
+    threads = [threading.Thread(target=r, daemon=True) for r in relays]
+    for thread in threads:
+        thread.start()
     try:
         code = forward.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        relay.join(timeout=5)
-    return code, forward.signum
+        for thread in threads:
+            thread.join(timeout=5)
+    return code, forward.signum, relays[0].failed
 
 
 def dvc_stage(target: str, preference: bool) -> str:
@@ -249,16 +308,61 @@ def names_preference(overrides: list[str]) -> bool:
     return any(is_objective_override(o) for o in overrides) and is_preference(compose_checked(overrides))
 
 
-def write_params(target: str, overrides: list[str], preference: bool) -> None:
-    """params.yaml (SFT) and, for a preference objective or make repro, params_pref.yaml (reprotune.config)."""
-    from reprotune.config import PARAMS_FILE, dump_chain_params, dump_params
+def composed_params(target: str, overrides: list[str], preference: bool) -> dict[str, tuple[list[str], Any]]:
+    """params.yaml's (and, for a preference objective or make repro, params_pref.yaml's) overrides and composed
+    config, every settings mistake raised before any file changes (reprotune.config)."""
+    from reprotune.config import PARAMS_FILE, PREF_PARAMS_FILE, chain_configs, compose_checked
 
     if preference or target == "all":
-        dump_chain_params(overrides)
-        print("wrote params.yaml, params_pref.yaml", flush=True)
-    else:
-        dump_params(overrides, Path(PARAMS_FILE))
-        print("wrote params.yaml", flush=True)
+        plain, pref_over, pref = chain_configs(overrides)
+        return {PREF_PARAMS_FILE: (pref_over, pref), PARAMS_FILE: (plain, compose_checked(plain))}
+    return {PARAMS_FILE: (overrides, compose_checked(overrides))}
+
+
+def check_outputs(stage: str, target: str, overrides: list[str], configs: dict[str, tuple[list[str], Any]]) -> None:
+    """reprotune.project.check_outputs on the values these params files would hold (as dvc.lock reads them)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from reprotune.config import params_values
+    from reprotune.project import check_outputs as check
+
+    values = {file: yaml.safe_load(OmegaConf.to_yaml(OmegaConf.create(params_values(cfg))))
+              for file, (_, cfg) in configs.items()}
+    check(stage, target, overrides, values)
+
+
+def check_data(stage: str, configs: dict[str, tuple[list[str], Any]]) -> None:
+    """The data a stage to run reads must exist: else one line naming the setting, before params.yaml changes
+    (DVC would stop on the missing dependency with `[Errno 2] ...` and no setting named)."""
+    import yaml
+
+    from reprotune.config import PARAMS_FILE
+    from reprotune.project import upstream
+
+    stages = yaml.safe_load(DVC_YAML.read_text())["stages"]
+    chain = set(stages) if stage == "all" else upstream(stage, stages) | {stage}
+    for name, key in (("prepare", "data.path"), ("prepare_pairs", "data.preference.path")):
+        file = PARAMS_FILE if name == "prepare" else "params_pref.yaml"
+        if name not in chain or file not in configs:
+            continue
+        from omegaconf import OmegaConf
+
+        path = OmegaConf.select(configs[file][1], key)
+        if path and not Path(str(path)).exists():
+            raise ReprotuneError(f"{path}: {key}: no such file or directory; point {key} at your file or folder "
+                                 f'(make init DATA=<path>, or ARGS="{key}=<path>"); nothing was changed')
+
+
+def write_params(target: str, overrides: list[str], preference: bool,
+                 configs: dict[str, tuple[list[str], Any]] | None = None) -> None:
+    """params.yaml (SFT) and, for a preference objective or make repro, params_pref.yaml (reprotune.config)."""
+    from reprotune.config import dump_params
+
+    configs = configs if configs is not None else composed_params(target, overrides, preference)
+    for file, (over, cfg) in configs.items():
+        dump_params(over, Path(file), cfg)
+    print(f"wrote {', '.join(sorted(configs))}", flush=True)
 
 
 def run(stage: str, overrides: list[str]) -> int:
@@ -266,16 +370,23 @@ def run(stage: str, overrides: list[str]) -> int:
     with checkout_lock(command):
         preference = names_preference(overrides)
         target = dvc_stage(stage, preference)  # make train ARGS="objective=dpo" -> train_pref; refused before
-        write_params(stage, overrides, preference)  # params.yaml changes
+        configs = composed_params(stage, overrides, preference)  # params.yaml changes
+        check_data(target, configs)
+        check_outputs(target, stage, overrides, configs)  # another run's data or adapter: refused, in one line
+        write_params(stage, overrides, preference, configs)
         stage = target
         PROBLEMS.unlink(missing_ok=True)  # a file left by an earlier run is not this run's
         try:
-            code, signum = dvc_repro(stage)
+            code, signum, failed = dvc_repro(stage)
             if signum is not None:
                 print(kept_line(stage, f"stopped by {signal.Signals(signum).name}"), file=sys.stderr)
                 return 128 + signum
             if code != 0:
-                print("\n".join(failure_lines(stage, "failed")), file=sys.stderr)
+                reason = dvc_reason(failed)
+                told = PROBLEMS.is_file() or reason is not None
+                print("\n".join(failure_lines(stage, "failed", reason=reason)), file=sys.stderr)
+                # a reason the user can act on: the documented status 2; a crash (its traceback above): 1
+                return EXIT_USER_ERROR if told else 1
             return code
         finally:
             PROBLEMS.unlink(missing_ok=True)

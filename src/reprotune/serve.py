@@ -78,7 +78,19 @@ def info(cfg: DictConfig) -> str:
         f"  {vllm_command(cfg)}",
         "Ollama, the GGUF with its Modelfile (template, stop tokens, system prompt):",
         f"  {ollama_commands(cfg)}",
+        *system_lines(cfg),
     ])
+
+
+def system_lines(cfg: DictConfig) -> list[str]:
+    """What serve-info says of the training system prompt (reprotune.system_prompt)."""
+    from reprotune.system_prompt import exported_system
+
+    system = exported_system(cfg.paths.gguf)
+    if system is None:
+        return ["System prompt: none (the training conversations share none); requests are served as sent."]
+    return [f"System prompt: every training conversation started with {system!r}; make serve and Ollama put it "
+            "first in a request that has no system message (vLLM does not: send it yourself)."]
 
 
 def serve(cfg: DictConfig) -> None:
@@ -87,6 +99,11 @@ def serve(cfg: DictConfig) -> None:
 
     server, model = llama_cpp_settings(cfg)
     app = create_app(server_settings=server, model_settings=[model])
+    from reprotune.system_prompt import DefaultSystem, exported_system
+
+    if (system := exported_system(cfg.paths.gguf)) is not None:  # as the Modelfile's SYSTEM does for Ollama
+        log.info("requests without a system message get the training one: %r", system)
+        app = DefaultSystem(app, system)
     log.info("serving %s as '%s' on http://%s:%d/v1", model.model, model.model_alias, server.host, server.port)
     uvicorn.run(app, host=server.host, port=server.port, log_level="info")
 

@@ -35,7 +35,13 @@ from reprotune import checkpoints, distributed, speed
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
-from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir, training_chat_template
+from reprotune.models import (
+    base_identity,
+    load_base_model,
+    load_tokenizer,
+    resolve_model_dir,
+    training_chat_template,
+)
 from reprotune.preference import is_preference, objective_name, route_paths
 from reprotune.preference.packed import packed_class, register_pair_attention
 from reprotune.preference.trainers import (
@@ -223,6 +229,13 @@ def plot_loss(curves: dict[str, list], out: Path) -> None:
     plt.close(fig)
 
 
+# what data.private means, said on the card itself (privacy by default: true unless the user says otherwise)
+PRIVATE_NOTE = ("private=true (the default for any data): this adapter may reproduce its training data, so `make "
+                "publish` refuses to upload it or a model merged from it. Set data.private=false only for data you "
+                "may share.")
+PUBLIC_NOTE = "private=false: the data was declared shareable (data.private=false), so `make publish` may upload it."
+
+
 def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
     from reprotune.models import base_identity
 
@@ -237,7 +250,7 @@ def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
 
 Load with PEFT on the base: `reprotune.models.load_peft_model("outputs/adapter", "<cache>/models")` (adapter_config.json
 names the base by a stable identity, not a path: a hub id, `builtin:`, `random_init:` or `local:`).
-{"This adapter was trained on private data: do not publish it." if cfg.data.private else ""}
+{PRIVATE_NOTE if cfg.data.private else PUBLIC_NOTE}
 """
     (adapter_dir / "README.md").write_text(text)
 
@@ -503,6 +516,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     world = distributed.world()
     distributed.init_process_group(device)
     log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
+    # what the adapter records of its base, resolved before any weights load: a mistake here is known at the start
+    log.info("base model: %s", base_identity(cfg.model)[0])
     rows, val_rows = load_rows(cfg)
     model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg)
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
