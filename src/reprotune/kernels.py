@@ -3,9 +3,10 @@
 torch picks its CPU kernels (ATen's vectorised ops), MKL its BLAS code path and oneDNN its JIT level from the
 CPU it finds, once, when they load: an AVX-512 host then sums in another order than an AVX2 one and the adapter
 bytes differ (the losses agree to every printed digit, the bytes do not). `hardware.cpu_kernels=pinned` (the
-default) fixes all three to a level every supported CPU of the architecture has; `native` leaves them to the
-host (faster, host-dependent bytes). The environment variables are read when torch is imported, so Hydra can
-not set them: `reprotune/__init__.py` calls `pin_before_torch(sys.argv)` first thing, reading the setting from
+default) fixes all three to a level every supported CPU of the architecture has, and on x86-64 runs the float32
+matrix products on OpenBLAS's pinned Haswell kernels instead of MKL (`route_matmul`, reprotune.cpu_blas: MKL is
+equal on Intel and AMD only in its slow COMPATIBLE branch); `native` leaves them to the host (host-dependent
+bytes). The environment variables are read when torch is imported, so Hydra cannot set them: `reprotune/__init__.py` calls `pin_before_torch(sys.argv)` first thing, reading the setting from
 the command line or from the `--config-dir/--config-name` file that DVC and `make verify` pass. Children
 (torchrun's workers, a test's subprocesses, DVC's stages) inherit the environment and pin again themselves.
 
