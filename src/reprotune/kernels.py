@@ -54,11 +54,12 @@ PINNED["amd64"] = PINNED["x86_64"]
 PINNED["arm64"] = PINNED["aarch64"]
 # Where pinned mode's float32 CPU matrix products (aten::mm, addmm) run, per architecture: "openblas" is numpy's
 # bundled OpenBLAS at OPENBLAS_CORETYPE, single-threaded calls in pieces fixed by the shape (reprotune.cpu_blas:
-# MKL's COMPATIBLE branch, the only MKL setting equal on Intel and AMD, ran them as SSE2 code, ~2.7x slower on the
-# built-in model). Elsewhere torch's own BLAS, pinned by the variables above.
+# MKL's COMPATIBLE branch, the only MKL setting equal on Intel and AMD, ran them as SSE2 code: the built-in model
+# trained at 0.37x native on an idle 2-core Xeon, issue #51). Elsewhere torch's own BLAS, pinned by the variables
+# above.
 MATMUL: dict[str, str] = {"x86_64": "openblas", "amd64": "openblas"}
 # REPROTUNE_CPU_MATMUL=torch keeps pinned mode's products on torch's BLAS (MKL COMPATIBLE: the kit's pinned path
-# before the route, other bytes, ~2.7x slower); for comparisons (bench/cpu_kernels.py). Recorded in the manifest.
+# before the route, other bytes, slower); for comparisons (bench/cpu_kernels.py). Recorded in the manifest.
 MATMUL_ENV = "REPROTUNE_CPU_MATMUL"
 
 
