@@ -170,6 +170,11 @@ def _ours(*tensors: Any) -> bool:
     return all(t.dtype == torch.float32 and t.dim() == 2 and t.numel() > 0 and not t.is_neg() for t in tensors)
 
 
+def _shares_memory(out: Any, *inputs: Any) -> bool:
+    """out written while an input is read from the same storage: left to torch's kernel, which handles it."""
+    return any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in inputs)
+
+
 def _row_major(t: Any) -> bool:
     return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
@@ -183,7 +188,7 @@ def _kernels(original: dict[str, Any]) -> dict[str, Callable[..., Any]]:
         return gemm_into(torch.empty(a.shape[0], b.shape[1], dtype=a.dtype), a, b)
 
     def mm_out(keys: Any, a: Any, b: Any, *, out: Any) -> Any:
-        if not (_ours(a, b) and out.dtype == torch.float32):
+        if not (_ours(a, b) and out.dtype == torch.float32) or _shares_memory(out, a, b):
             return original["mm.out"].call_boxed(keys, a, b, out=out)
         out.resize_(a.shape[0], b.shape[1])
         if _row_major(out):
@@ -201,7 +206,7 @@ def _kernels(original: dict[str, Any]) -> dict[str, Callable[..., Any]]:
         return gemm_into(filled(self, shape, beta), a, b, float(alpha), float(beta))
 
     def addmm_out(keys: Any, self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any) -> Any:
-        if not (_ours(a, b) and self.dtype == out.dtype == torch.float32):
+        if not (_ours(a, b) and self.dtype == out.dtype == torch.float32) or _shares_memory(out, self, a, b):
             return original["addmm.out"].call_boxed(keys, self, a, b, beta=beta, alpha=alpha, out=out)
         shape = (a.shape[0], b.shape[1])
         result = gemm_into(filled(self, shape, beta), a, b, float(alpha), float(beta))
@@ -209,7 +214,7 @@ def _kernels(original: dict[str, Any]) -> dict[str, Callable[..., Any]]:
         return out.copy_(result)
 
     def addmm_(keys: Any, self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
-        if not (_ours(self, a, b) and tuple(self.shape) == (a.shape[0], b.shape[1])):
+        if not (_ours(self, a, b) and tuple(self.shape) == (a.shape[0], b.shape[1])) or _shares_memory(self, a, b):
             return original["addmm_"].call_boxed(keys, self, a, b, beta=beta, alpha=alpha)
         if _row_major(self):
             return gemm_into(self, a, b, float(alpha), float(beta))
