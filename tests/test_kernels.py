@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,96 @@ def test_the_composed_config_must_match_what_was_pinned(monkeypatch: pytest.Monk
     assert "torch was imported before reprotune" in kernels.check_mode("pinned")
     assert kernels.thread_count(None, "pinned") == kernels.PINNED_THREADS
     assert kernels.thread_count(None, "native") is None and kernels.thread_count(3, "pinned") == 3
+
+
+ROUTE_PROBE = """
+import json, sys
+import reprotune, torch
+from reprotune import cpu_blas, kernels
+kernels.route_matmul(kernels.os.environ["REPROTUNE_CPU_KERNELS"])
+a, b = torch.randn(200, 300), torch.randn(300, 100)
+torch.mm(a, b)
+print(json.dumps({"calls": cpu_blas.calls(), "matmul": kernels.kernel_state()["matmul"]}))
+"""
+
+
+@pytest.mark.skipif(kernels.MATMUL.get(platform.machine().lower()) != "openblas",
+                    reason="the OpenBLAS route is the x86-64 pinned path")
+def test_pinned_mode_runs_float32_products_on_openblas_and_native_does_not() -> None:
+    """Pinned: torch.mm, nn.Linear forward and backward, addmm (bias, LoRA's fused scale), addmm_ and mm(out=) go
+    through OpenBLAS's pinned core (the route counts its sgemm calls, and torch.mm's bytes are a direct sgemm's);
+    other dtypes stay torch's; native mode installs nothing (its products are MKL's)."""
+    import torch
+
+    from reprotune import cpu_blas
+
+    state = kernels.route_matmul("pinned")
+    assert state is not None and state["library"] == "openblas" and state["core"] == "Haswell", state
+    assert kernels.kernel_state()["matmul"] == state
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(100, 1000, generator=gen), torch.randn(1000, 120, generator=gen)
+    before = cpu_blas.calls()
+    got = torch.mm(a, b)
+    assert cpu_blas.calls() > before
+    direct = torch.empty(100, 120)
+    cpu_blas._state["blas"].sgemm(b"N", b"N", 120, 100, 1000, 1.0, b.data_ptr(), 120, a.data_ptr(), 1000, 0.0,
+                                  direct.data_ptr(), 120)  # one call, no pieces: this shape is cut in none
+    assert len(cpu_blas.pieces(100, 120, 1000)[1]) == 1
+    assert torch.equal(got, direct)
+    for name, run in [("linear forward and backward", lambda: _linear_step(gen)),
+                      ("addmm", lambda: torch.addmm(torch.randn(120), a, b, alpha=0.5)),
+                      ("addmm_", lambda: torch.zeros(100, 120).addmm_(a, b)),
+                      ("mm(out=)", lambda: torch.mm(a, b, out=torch.empty(0)))]:
+        before = cpu_blas.calls()
+        run()
+        assert cpu_blas.calls() > before, name
+    before = cpu_blas.calls()
+    assert torch.mm(a.double(), b.double()).dtype == torch.float64 and cpu_blas.calls() == before
+    native, _ = _route_probe("hardware.cpu_kernels=native")
+    assert native == {"calls": 0, "matmul": {"library": "mkl"}}
+    pinned, _ = _route_probe()
+    assert pinned["calls"] > 0 and pinned["matmul"]["library"] == "openblas"
+
+
+def _linear_step(gen: object) -> None:
+    import torch
+
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(4, 7, 64, requires_grad=True, generator=gen)
+    layer(x).square().sum().backward()
+
+
+def _route_probe(*argv: str) -> tuple[dict, str]:
+    clean = {k: v for k, v in os.environ.items() if k not in kernels._all_pinned_names()
+             and not k.startswith("REPROTUNE_C") and k != kernels.USER_ENV}
+    code = f"import sys; sys.argv = ['stage', *{list(argv)!r}]; {ROUTE_PROBE}"
+    proc = subprocess.run([sys.executable, "-c", code], env={**clean, "PYTHONPATH": str(REPO / "src")},
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_the_openblas_route_gives_the_same_bytes_at_any_thread_count() -> None:
+    """Products big enough to be cut into pieces (the LM head's, an MLP's) and small ones: equal bytes with 1, 2, 3
+    and 4 threads (OpenBLAS's own threading gave a different result per thread count), the cut a function of the
+    shape only."""
+    import torch
+
+    from reprotune import cpu_blas
+
+    if kernels.route_matmul("pinned") is None:
+        pytest.skip("no OpenBLAS route on this architecture")
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(502, 1536, 576), (16, 502, 576), (300, 576, 4096), (7, 33, 5)]
+    operands = [(torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)) for m, k, n in shapes]
+    assert len(cpu_blas.pieces(300, 4096, 576)[1]) > 1  # the LM-head-like product is cut
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results[count] = [torch.mm(a, b) for a, b in operands] + [torch.mm(b.t(), a.t()) for a, b in operands]
+    finally:
+        torch.set_num_threads(threads)
+    for count in (2, 3, 4):
+        assert all(torch.equal(x, y) for x, y in zip(results[1], results[count], strict=True)), count

@@ -46,8 +46,10 @@ def _summary(root: Path, record: dict) -> dict:
     return {"overrides": RUN, "loss": [loss for _, loss in curve], "steps": [step for step, _ in curve],
             "adapter_sha256": record["outputs"]["adapter"]["sha256"],
             "cpu": record["hardware"]["cpu"], "cpu_vendor": record["hardware"]["cpu_detail"]["vendor"],
+            "cpu_family_model": record["hardware"]["cpu_detail"].get("family_model_stepping"),
+            "cpu_avx512": "avx512f" in record["hardware"]["cpu_detail"].get("isa", []),
             "cpu_kernels": {k: v for k, v in record["hardware"]["cpu_kernels"].items()
-                            if k in ("mode", "capability", "env", "blas")},
+                            if k in ("mode", "capability", "env", "blas", "matmul")},
             "packages": package_versions()["key"]}
 
 

@@ -3,9 +3,10 @@
 torch picks its CPU kernels (ATen's vectorised ops), MKL its BLAS code path and oneDNN its JIT level from the
 CPU it finds, once, when they load: an AVX-512 host then sums in another order than an AVX2 one and the adapter
 bytes differ (the losses agree to every printed digit, the bytes do not). `hardware.cpu_kernels=pinned` (the
-default) fixes all three to a level every supported CPU of the architecture has; `native` leaves them to the
-host (faster, host-dependent bytes). The environment variables are read when torch is imported, so Hydra can
-not set them: `reprotune/__init__.py` calls `pin_before_torch(sys.argv)` first thing, reading the setting from
+default) fixes all three to a level every supported CPU of the architecture has, and on x86-64 runs the float32
+matrix products on OpenBLAS's pinned Haswell kernels instead of MKL (`route_matmul`, reprotune.cpu_blas: MKL is
+equal on Intel and AMD only in its slow COMPATIBLE branch); `native` leaves them to the host (host-dependent
+bytes). The environment variables are read when torch is imported, so Hydra cannot set them: `reprotune/__init__.py` calls `pin_before_torch(sys.argv)` first thing, reading the setting from
 the command line or from the `--config-dir/--config-name` file that DVC and `make verify` pass. Children
 (torchrun's workers, a test's subprocesses, DVC's stages) inherit the environment and pin again themselves.
 
@@ -37,7 +38,8 @@ SET_ENV = "REPROTUNE_CPU_ENV_SET"  # the variables pinned mode set (a native chi
 #     it also fixes MKL's cache-size blocking and reduction order.
 #   MKL_ENABLE_INSTRUCTIONS: no AVX-512/AMX code in MKL outside CBWR's reach (e.g. its JIT gemm).
 #   ONEDNN_MAX_CPU_ISA: oneDNN's JIT level (convolutions, some matmuls, bf16 paths).
-#   OPENBLAS_CORETYPE: the kernel set when torch's BLAS is OpenBLAS (aarch64 wheels; harmless under MKL).
+#   OPENBLAS_CORETYPE: OpenBLAS's kernel set and blocking. On x86-64 the float32 matrix products run on it
+#     (numpy's bundled OpenBLAS, MATMUL below); on aarch64 torch's own BLAS is OpenBLAS.
 PINNED: dict[str, dict[str, str]] = {
     "x86_64": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
                "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell"},
@@ -50,6 +52,15 @@ PINNED: dict[str, dict[str, str]] = {
 PINNED_THREADS = 2
 PINNED["amd64"] = PINNED["x86_64"]
 PINNED["arm64"] = PINNED["aarch64"]
+# Where pinned mode's float32 CPU matrix products (aten::mm, addmm) run, per architecture: "openblas" is numpy's
+# bundled OpenBLAS at OPENBLAS_CORETYPE, single-threaded calls in pieces fixed by the shape (reprotune.cpu_blas:
+# MKL's COMPATIBLE branch, the only MKL setting equal on Intel and AMD, ran them as SSE2 code: the built-in model
+# trained at 0.37x native on an idle 2-core Xeon, issue #51). Elsewhere torch's own BLAS, pinned by the variables
+# above.
+MATMUL: dict[str, str] = {"x86_64": "openblas", "amd64": "openblas"}
+# REPROTUNE_CPU_MATMUL=torch keeps pinned mode's products on torch's BLAS (MKL COMPATIBLE: the kit's pinned path
+# before the route, other bytes, slower); for comparisons (bench/cpu_kernels.py). Recorded in the manifest.
+MATMUL_ENV = "REPROTUNE_CPU_MATMUL"
 
 
 def pinned_env(machine: str | None = None) -> dict[str, str]:
@@ -141,6 +152,19 @@ def pin_before_torch(argv: list[str], stream: Any = None) -> str:
     return mode
 
 
+def route_matmul(mode: str, machine: str | None = None) -> dict[str, Any] | None:
+    """In pinned mode, send the CPU float32 matrix products to MATMUL's library (after torch is loaded, before the
+    math); returns what they run on, or None where they stay torch's (native mode, or an architecture without
+    a route)."""
+    if mode != "pinned" or MATMUL.get((machine or platform.machine()).lower()) != "openblas":
+        return None
+    if os.environ.get(MATMUL_ENV, "openblas") == "torch":
+        return None
+    from reprotune import cpu_blas
+
+    return cpu_blas.install()
+
+
 def thread_count(configured: int | None, mode: str) -> int | None:
     """The CPU threads to compute with: hardware.num_threads, else PINNED_THREADS in pinned mode, else torch's."""
     if configured:
@@ -169,7 +193,8 @@ def check_mode(configured: str) -> str | None:
 
 def kernel_state() -> dict[str, Any]:
     """What the math actually runs on (for the manifest): the mode, torch's CPU capability in use, the pinned
-    variables as this process sees them, the user's overridden values, and the BLAS torch was built with."""
+    variables as this process sees them, the user's overridden values, the BLAS torch was built with, and what
+    the float32 matrix products run on (`matmul`: OpenBLAS's build and core in pinned mode, else torch's BLAS)."""
     import torch
 
     names = sorted(_all_pinned_names())
@@ -179,4 +204,13 @@ def kernel_state() -> dict[str, Any]:
             "capability": torch.backends.cpu.get_cpu_capability(),
             "env": {name: os.environ.get(name) for name in names},
             "user_env_overridden": json.loads(os.environ.get(USER_ENV) or "{}"),
-            "blas": blas, "threads": torch.get_num_threads()}
+            "blas": blas, "matmul": _matmul_state(blas), "threads": torch.get_num_threads()}
+
+
+def _matmul_state(blas: str) -> dict[str, Any]:
+    from reprotune import cpu_blas
+
+    state = cpu_blas.state() or {"library": blas}
+    if os.environ.get(MATMUL_ENV):
+        state[MATMUL_ENV] = os.environ[MATMUL_ENV]
+    return state

@@ -60,6 +60,8 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
     warning = kernels.check_mode(mode)
     if warning:
         logging.getLogger("reprotune.runtime").warning(warning)
+    else:
+        kernels.route_matmul(mode)  # pinned: float32 CPU matrix products on OpenBLAS's pinned kernels
     # a GPU run's math is on the GPU: its CPU threads stay torch's unless hardware.num_threads says otherwise
     threads = kernels.thread_count(cfg.hardware.num_threads, mode if device == "cpu" else "native")
     if threads:
