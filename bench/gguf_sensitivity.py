@@ -1,6 +1,7 @@
 """Where a quantized GGUF's greedy answers leave the merged HF model's, and which tensors' quantization moves them.
 
     python bench/gguf_sensitivity.py [hydra overrides]     # after 'make gguf' (outputs/merged, outputs/gguf)
+    VARIANTS="Q4_K_M,Q4_K_M emb=Q8_0" python bench/gguf_sensitivity.py ...   # only those rows
 
 Quantizes outputs/gguf/model-F16.gguf into variants (the Q4_K_M recipe as llama.cpp makes it; with the tied token
 embedding/output head kept at Q8_0; with the attention or the FFN projections at Q8_0; with the importance
@@ -12,6 +13,7 @@ GGUF chose; small = a near tie that any rounding flips). The variants go to a sc
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -27,12 +29,16 @@ ATTN = {r"attn_(q|k|v|output)\.weight": Q8}
 FFN = {r"ffn_(gate|up|down)\.weight": Q8}
 # name: (recipe, token_embedding_type, tensor_types, with the imatrix)
 VARIANTS = {
+    "F16": ("F16", None, None, False),  # no quantization: llama.cpp's own arithmetic against HF's fp32
     "Q4_K_M": ("Q4_K_M", None, None, False),
     "Q4_K_M emb=Q8_0": ("Q4_K_M", Q8, None, False),
     "Q4_K_M attn=Q8_0": ("Q4_K_M", None, ATTN, False),
     "Q4_K_M ffn=Q8_0": ("Q4_K_M", None, FFN, False),
     "Q4_K_M imatrix": ("Q4_K_M", None, None, True),
     "Q4_K_M imatrix emb=Q8_0": ("Q4_K_M", Q8, None, True),
+    "Q5_K_M imatrix": ("Q5_K_M", None, None, True),
+    "Q6_K imatrix": ("Q6_K", None, None, True),
+    "Q8_0": ("Q8_0", None, None, False),
 }
 
 
@@ -98,13 +104,16 @@ def main(overrides: list[str]) -> None:
         shutil.copy(f16, work / f16.name)
         if imatrix.is_file():
             shutil.copy(imatrix, work / gq.IMATRIX_FILE)
+        only = [v.strip() for v in os.environ.get("VARIANTS", "").split(",") if v.strip()]
         for name, (recipe, emb, types, with_imatrix) in VARIANTS.items():
-            if with_imatrix and not imatrix.is_file():
+            if (with_imatrix and not imatrix.is_file()) or (only and name not in only):
                 continue
             path = work / "variant.gguf"
             path.unlink(missing_ok=True)
             t0 = time.time()
-            if with_imatrix:
+            if recipe == "F16":
+                shutil.copy(work / f16.name, path)
+            elif with_imatrix:
                 gq.quantize_with_tool(src, work, f16.name, path.name, recipe, n, gq.IMATRIX_FILE, emb)
             else:
                 g.quantize(work / f16.name, path, recipe, n, emb, types)

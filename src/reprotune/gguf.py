@@ -508,9 +508,11 @@ def make_imatrix(cfg: DictConfig, src: Path, tokenizer: Any, f16: Path, out_dir:
     conversations = (export_conversations(train_path) if is_preference(cfg)
                      else read_conversations(train_path, "run 'make prepare' first"))
     text, tokens, used = gq.calibration_text(conversations, tokenizer, max_tokens)
-    if tokens < 2 * chunk:
-        raise ReprotuneError(f"gguf: {train_path} has {tokens} tokens, too few for export.imatrix.chunk={chunk} "
-                             "(llama-imatrix needs two chunks); lower the chunk or set export.imatrix.enabled=false")
+    if tokens < 2 * chunk:  # llama-imatrix needs two chunks: a small train split gets smaller chunks
+        chunk = tokens // 2 - 8  # less the BOS and the odd token the tool's tokenization may add
+        if chunk < 16:
+            raise ReprotuneError(f"gguf: {train_path} has {tokens} tokens, too few for an importance matrix; "
+                                 "set export.imatrix.enabled=false")
     work = out_dir.parent / f".{out_dir.name}.imatrix-work"
     try:
         info = gq.compute_imatrix(src, f16, text, work, out_dir / gq.IMATRIX_FILE, chunk, n_threads,

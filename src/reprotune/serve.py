@@ -55,8 +55,10 @@ def served_for_info(cfg: DictConfig) -> str:
     """The GGUF make serve would serve, or what it will be once make gguf has run."""
     try:
         return str(gguf_path(cfg))
-    except ReprotuneError:
-        return f"{Path(cfg.paths.gguf)}/model-<the quant make gguf chooses>.gguf"
+    except ReprotuneError:  # before make gguf: the first quant listed is what it will serve; auto picks one
+        quant = cfg.export.quant
+        first = quant if isinstance(quant, str) else (list(quant) or ["<none>"])[0]
+        return f"{Path(cfg.paths.gguf)}/model-{'<the quant make gguf chooses>' if first == 'auto' else first}.gguf"
 
 
 def check_gate(cfg: DictConfig, quant: str) -> None:
