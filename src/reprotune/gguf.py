@@ -457,7 +457,10 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         stops = mfile.stop_tokens(tokenizer, pieces, gen_eos_ids)
     (tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, template, stops, system))
     report["modelfile"] = {"from": serve_name, "stop": stops, "system": system}
-    mf.write_json(tmp / "parity.json", {k: v for k, v in report.items() if k != "tokens_per_second"})
+    # timings (tokens/s) differ run to run: they go to the metrics and the manifest, never into parity.json
+    mf.write_json(tmp / "parity.json", {**{k: v for k, v in report.items() if k != "tokens_per_second"},
+                                        "ladder": [{k: v for k, v in r.items() if k != "tokens_per_second"}
+                                                   for r in report["ladder"]]})
     swap_dir(tmp, final)
 
     export_dir = Path(cfg.paths.export_dir)
@@ -520,7 +523,9 @@ def make_imatrix(cfg: DictConfig, src: Path, tokenizer: Any, f16: Path, out_dir:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {**info, "tokens": tokens, "conversations": used, "max_tokens": max_tokens,
-            "data": {"source": str(train_path), "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}}
+            # relative to paths.root: parity.json must be the same bytes wherever the run is (make verify)
+            "data": {"source": os.path.relpath(train_path, cfg.paths.root),
+                     "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}}
 
 
 def task_references(cfg: DictConfig, n: int) -> tuple[dict | None, list[str]]:

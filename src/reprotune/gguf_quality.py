@@ -82,8 +82,7 @@ def compute_imatrix(src: Path, f16: Path, text: str, work: Path, out: Path, chun
     log = run_tool(cmd, work, "llama-imatrix")
     if not out.is_file():
         raise ReprotuneError(f"gguf: llama-imatrix wrote no {out.name}: {log.strip().splitlines()[-1:]}")
-    return {"chunk": chunk, "process_output": process_output,
-            "chunks": sum(1 for line in log.splitlines() if "compute_imatrix: computing over" in line) or None}
+    return {"chunk": chunk, "process_output": process_output}
 
 
 def quantize_with_tool(src: Path, work: Path, f16_name: str, out_name: str, quant: str, threads: int,
