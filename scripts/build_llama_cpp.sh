@@ -154,6 +154,43 @@ if [ ! -f "$dir/done" ]; then
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
 fi
 
+# The two llama.cpp tools 'make gguf' runs as programs: llama-imatrix (the importance matrix of the training data;
+# it needs llama.cpp's common/ library, which the wheel leaves out) and llama-quantize (it reads the imatrix file
+# with common's loader). Same sdist, same flags, built statically from that tree into $dir/tools/bin (only these two
+# targets: ggml, libllama, common and the two tools; cpp-httplib is compiled for common but never called).
+if [ ! -f "$dir/tools/done" ]; then
+  command -v "${CXX:-c++}" >/dev/null || { log "no C++ compiler (${CXX:-c++}); install g++ (Debian: apt-get install g++)"; exit 1; }
+  t="$dir/tools.tmp"
+  rm -rf "$t" && mkdir -p "$t/dl" "$t/src" "$t/bin"
+  log "fetching $pin again for llama-imatrix and llama-quantize (sdist, sha256 $sha)"
+  printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$t/req.txt"
+  "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
+    --require-hashes -r "$t/req.txt" -d "$t/dl"
+  tar -xzf "$t/dl/llama_cpp_python-$version.tar.gz" -C "$t/src"
+  "$PYTHON" -m venv "$t/buildenv"
+  "$t/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+    -r lockfiles/llama-cpp-build.txt
+  log "compiling llama-imatrix and llama-quantize ($CMAKE_FLAGS, static) on $(nproc) cores; takes minutes"
+  start=$(date +%s)
+  prefix_map="-ffile-prefix-map=$t/src=/llama-cpp/src -ffile-prefix-map=$t/build=/llama-cpp/build"
+  # shellcheck disable=SC2086  # CMAKE_FLAGS is a list of -D flags
+  if ! { PATH="$t/buildenv/bin:$PATH" CFLAGS="$prefix_map" CXXFLAGS="$prefix_map" SOURCE_DATE_EPOCH=1767225600 \
+      GIT_CEILING_DIRECTORIES="$t" cmake -S "$t/src/llama_cpp_python-$version/vendor/llama.cpp" -B "$t/build" \
+      -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF $CMAKE_FLAGS -DLLAMA_BUILD_COMMON=ON \
+      -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && PATH="$t/buildenv/bin:$PATH" cmake --build "$t/build" --parallel "$(nproc)" \
+      --target llama-imatrix llama-quantize; } > "$t/build.log" 2>&1; then
+    tail -40 "$t/build.log" >&2
+    log "llama.cpp tools build failed; full log: $t/build.log"; exit 1
+  fi
+  cp "$t/build/bin/llama-imatrix" "$t/build/bin/llama-quantize" "$t/bin/"
+  log "built the tools in $(( $(date +%s) - start )) s"
+  echo "$(( $(date +%s) - start ))" > "$t/build_seconds"
+  rm -rf "$t/buildenv" "$t/dl" "$t/build" "$t/src"
+  touch "$t/done"
+  rm -rf "$dir/tools" && mv "$t" "$dir/tools"
+fi
+
 # LLAMA_CPP_COMPILE_ONLY=1: stop at the cache. .ci/run compiles while the project's venv is still being built (VENV
 # is then a bare venv of the same interpreter, so the key above is the same) and installs later with make llama-cpp.
 if [ "${LLAMA_CPP_COMPILE_ONLY:-0}" = 1 ]; then echo "$src/vendor/llama.cpp"; exit 0; fi

@@ -30,15 +30,20 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]
 def test_gguf_files(exported: tuple[Path, list[str]]) -> None:
     root, _ = exported
     out = root / "outputs/gguf"
-    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-F16.gguf", "model-Q4_K_M.gguf",
-                                                      "model-Q8_0.gguf", "parity.json"]
-    for name in ("model-F16.gguf", "model-Q4_K_M.gguf", "model-Q8_0.gguf"):
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "imatrix.gguf", "model-F16.gguf",
+                                                      "model-Q4_K_M.gguf", "model-Q8_0.gguf", "parity.json"]
+    for name in ("imatrix.gguf", "model-F16.gguf", "model-Q4_K_M.gguf", "model-Q8_0.gguf"):
         assert (out / name).read_bytes()[:4] == b"GGUF"
     assert (out / "model-Q4_K_M.gguf").stat().st_size < (out / "model-F16.gguf").stat().st_size
     manifest = json.loads((root / "outputs/export/gguf_manifest.json").read_text())
     assert manifest["llama_cpp"]["llama_cpp_python"] == "0.3.36"
     assert manifest["timing"]["convert_seconds"] > 0 and manifest["timing"]["quantize_Q4_K_M_seconds"] > 0
     assert not (root / "outputs/gguf.tmp").exists()
+    # the imatrix: what it read is hashed (the text itself does not ship), the tools that made it too
+    assert manifest["inputs"]["imatrix_data"]["source"].endswith("data/prepared/train.jsonl")
+    assert len(manifest["inputs"]["imatrix_data"]["sha256"]) == 64
+    assert set(manifest["llama_cpp"]["tools_sha256"]) == {"llama-imatrix", "llama-quantize"}
+    assert not list(root.glob("outputs/.*imatrix-work*"))
 
 
 def cpu_flags() -> set[str]:
@@ -176,5 +181,5 @@ def test_make_verify_reruns_the_gguf_manifest(exported: tuple[Path, list[str]]) 
     proc = subprocess.run([sys.executable, "-m", "reprotune.verify", str(root / "outputs/export/gguf_manifest.json")],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for name in ("F16", "Q4_K_M", "Q8_0", "parity"):
+    for name in ("F16", "Q4_K_M", "Q8_0", "imatrix", "parity"):
         assert re.search(rf"output {name}\s+identical", proc.stdout), proc.stdout[-2000:]

@@ -114,13 +114,22 @@ def test_merge_pref_merges_the_preference_adapter_with_parity(exported: dict) ->
     assert sft["max_abs_diff"] > 10 * pref["max_abs_diff"] and stacked["max_abs_diff"] > 10 * pref["max_abs_diff"]
 
 
+def report_gate_only(report: dict) -> bool:
+    """A preference export has no reference answers for a task metric: its gate is parity alone."""
+    return report["task"] == {} and all(v["task_metric"] is None for v in report["gate"].values())
+
+
 @pytest.mark.slow  # needs the llama.cpp build
 def test_gguf_pref_converts_with_parity_on_the_preference_holdout(exported: dict) -> None:
     root, record = exported["root"], exported["gguf"]
     out = root / "outputs/pref/gguf"
-    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-F16.gguf", "model-Q8_0.gguf", "parity.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "imatrix.gguf", "model-F16.gguf", "model-Q8_0.gguf",
+                                                      "parity.json"]
     assert not (root / "outputs/gguf").exists()
     assert record["manifest_path"] == "outputs/pref/export/gguf_manifest.json"
+    # the importance matrix read the preference pairs (prompt + chosen answer), not the SFT split
+    assert record["inputs"]["imatrix_data"]["source"].endswith("data/pairs/train.jsonl")
+    assert report_gate_only(json.loads((out / "parity.json").read_text()))
     assert record["inputs"]["merged"]["path"] == "outputs/pref/merged"
     assert record["inputs"]["holdout"]["path"] == "data/pairs/holdout.jsonl"
     holdout = (root / "data/pairs/holdout.jsonl").read_text().splitlines()

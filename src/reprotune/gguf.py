@@ -38,6 +38,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from reprotune import gguf_quality as gq
 from reprotune import llamacpp
 from reprotune import modelfile as mfile
 from reprotune.config import CONF_DIR
@@ -53,8 +54,8 @@ OUTTYPE_NAME = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
 
 
 def quant_list(cfg: DictConfig) -> list[str]:
-    quant = cfg.export.quant
-    quants = [quant] if isinstance(quant, str) else list(quant)
+    """The quants to make, smallest first for export.quant=auto (export.ladder), else as listed."""
+    quants = gq.ladder(cfg.export.quant, cfg.export.ladder)
     import llama_cpp
 
     for q in quants:
@@ -145,8 +146,20 @@ def eog_ids(vocab) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------- quantize
-def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
-    """llama_model_quantize, the function llama.cpp's llama-quantize tool calls, from the pinned libllama."""
+def ggml_type(name: str) -> int:
+    import llama_cpp
+
+    value = getattr(llama_cpp, f"GGML_TYPE_{name.upper()}", None)
+    if value is None:
+        raise ReprotuneError(f"gguf: export.token_embedding_type: unknown ggml type {name!r} (e.g. q8_0, f16)")
+    return int(value)
+
+
+def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int, token_embedding_type: str | None = None,
+             tensor_types: dict[str, str] | None = None) -> None:
+    """llama_model_quantize, the function llama.cpp's llama-quantize tool calls, from the pinned libllama;
+    token_embedding_type: that tensor's type (--token-embedding-type; a tied model's output head too);
+    tensor_types: {regex of tensor names: type} (--tensor-type)."""
     import ctypes
 
     import llama_cpp
@@ -155,6 +168,15 @@ def quantize(src_gguf: Path, out: Path, quant: str, n_threads: int) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = n_threads
+    if token_embedding_type:
+        params.token_embedding_type = ggml_type(token_embedding_type)
+    if tensor_types:  # a C array ended by a null pattern, as llama-quantize builds it
+        overrides = (llama_cpp.llama_model_tensor_override * (len(tensor_types) + 1))()
+        for i, (pattern, type_name) in enumerate(tensor_types.items()):
+            overrides[i].pattern = pattern.encode()
+            overrides[i].type = ggml_type(type_name)
+        overrides[len(tensor_types)].pattern = None
+        params.tt_overrides = overrides
     bar = tqdm(desc=f"quantize {quant}", unit="tensor", file=sys.stderr)
     step = re.compile(r"\[\s*(\d+)/\s*(\d+)\]")
 
@@ -319,8 +341,6 @@ def type_mix(info: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- main
 def gguf(cfg: DictConfig) -> dict[str, Any]:
-    from llama_cpp import Llama
-
     from reprotune import manifest as mf
 
     started = time.time()
@@ -331,6 +351,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
+    auto = isinstance(cfg.export.quant, str) and cfg.export.quant == gq.AUTO
     n_threads = threads(cfg)
     outtype = str(cfg.export.outtype)
     if outtype not in OUTTYPE_NAME:
@@ -357,55 +378,73 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         raise ReprotuneError(f"gguf: {base_name}: llama.cpp does not stop on eos id(s) {missing} of "
                           f"{merged}/generation_config.json; answers would never end")
 
-    # 2. quantize
-    files = {OUTTYPE_NAME[outtype]: base_name}
-    for quant in quants:
-        if quant == OUTTYPE_NAME[outtype]:
-            continue
+    # 2. the importance matrix of the training data (export.imatrix), then the HF reference answers
+    imatrix = None
+    if cfg.export.imatrix.enabled:
         t0 = time.time()
-        quantize(tmp / base_name, tmp / f"model-{quant}.gguf", quant, n_threads)
-        timing[f"quantize_{quant}_seconds"] = round(time.time() - t0, 2)
-        check_loads_cleanly(tmp / f"model-{quant}.gguf", accepted)
-        files[quant] = f"model-{quant}.gguf"
-
-    # 3. parity: template + token ids (hard), greedy answers (reported)
+        imatrix = make_imatrix(cfg, src, tokenizer, tmp / base_name, tmp, n_threads)
+        timing["imatrix_seconds"] = round(time.time() - t0, 2)
     greedy_prompts = prompts[: greedy_subset(cfg, len(prompts))]
     max_new = int(cfg.export.parity.max_new_tokens)
     t0 = time.time()
-    prompt_ids: list[list[int]] = []
     hf_out = greedy_hf(merged, [hf_prompt_ids(tokenizer, p) for p in greedy_prompts], max_new, eog)
     timing["hf_greedy_seconds"] = round(time.time() - t0, 2)
+    hf_text = [tokenizer.decode(o) for o in hf_out]
+    task_cfg, references = task_references(cfg, len(greedy_prompts))
+    primary = None
     report: dict[str, Any] = {
         "llama_cpp_python": llamacpp.version(), "holdout_prompts": len(prompts),
         "prompt_format": "text" if text_prompts else "chat",
         "greedy_prompts": len(greedy_prompts), "max_new_tokens": max_new, "eog_ids": eog,
         "greedy_selection": f"the first {len(greedy_prompts)} holdout prompts in file order "
                             "(export.parity.examples=N, or all)",
-        "tokenization": {}, "greedy": {},
-        "hf_outputs": [tokenizer.decode(o) for o in hf_out], "gguf_outputs": {}, "type_mix": {},
+        "quant_request": cfg.export.quant if isinstance(cfg.export.quant, str) else list(cfg.export.quant),
+        "imatrix": imatrix, "token_embedding_type": cfg.export.token_embedding_type,
+        "tokenization": {}, "greedy": {}, "gate": {}, "task": {}, "tokens_per_second": {}, "bytes": {},
+        "hf_outputs": hf_text, "gguf_outputs": {}, "type_mix": {},
     }
-    for name, filename in files.items():
-        info = llamacpp.gguf_info(src, tmp / filename)
-        report["type_mix"][name] = type_mix(info)
-        if info["metadata"]["tokenizer.ggml.pre"] in (None, "default"):
-            raise ReprotuneError(f"gguf: {filename} has no pre-tokenizer type; llama.cpp would guess")
-        vocab = load_vocab(tmp / filename)
-        prompt_ids = check_template_and_tokens(vocab, tokenizer, prompts, filename)
-        vocab.close()
-        report["tokenization"][name] = {"identical": True, "prompts": len(prompt_ids),
-                                        "tokens": sum(map(len, prompt_ids))}
-        t0 = time.time()
-        llm = Llama(model_path=str(tmp / filename), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n_threads,
-                    n_threads_batch=n_threads, seed=int(cfg.seed), verbose=False)
-        out = greedy_llama(llm, prompt_ids[: len(greedy_prompts)], max_new, set(eog), name)
-        timing[f"greedy_{name}_seconds"] = round(time.time() - t0, 2)
-        report["greedy"][name] = compare_greedy(hf_out, out)
-        # decoded the way llama-cpp-python's server decodes a completion, so 'make serve' can be compared
-        report["gguf_outputs"][name] = [llm.detokenize(o).decode("utf-8", errors="ignore") for o in out]
-        del llm
+    if task_cfg is not None:
+        from reprotune import metrics as mx
 
-    # 4. Ollama Modelfile for the first quant (the one 'make serve' serves too)
-    serve_name = files.get(str(cfg.export.serve.quant), files[quants[0]] if quants else base_name)
+        primary = mx.primary_metric(task_cfg)
+        report["task"] = {"metric": primary, "hf_merged": gq.task_scores(hf_text, references, task_cfg)}
+    check = FileCheck(cfg.export.parity, int(cfg.seed), src, tokenizer, prompts, greedy_prompts, hf_out, eog,
+                      n_threads, task_cfg, references, primary)
+
+    # 3. F16 (reported, gated like the quants), then each quant; export.quant=auto stops at the first that passes
+    files = {OUTTYPE_NAME[outtype]: base_name}
+    check.run(OUTTYPE_NAME[outtype], tmp / base_name, report, timing)
+    tried: list[str] = []
+    for quant in quants:
+        if quant == OUTTYPE_NAME[outtype]:
+            continue
+        filename = f"model-{quant}.gguf"
+        t0 = time.time()
+        if imatrix is not None:
+            gq.quantize_with_tool(src, tmp, base_name, filename, quant, n_threads, gq.IMATRIX_FILE,
+                                  cfg.export.token_embedding_type)
+        else:
+            quantize(tmp / base_name, tmp / filename, quant, n_threads, cfg.export.token_embedding_type)
+        timing[f"quantize_{quant}_seconds"] = round(time.time() - t0, 2)
+        check_loads_cleanly(tmp / filename, accepted)
+        files[quant] = filename
+        tried.append(quant)
+        check.run(quant, tmp / filename, report, timing)
+        if auto and report["gate"][quant]["passed"]:
+            break
+    chosen = gq.choose({q: {"gate": report["gate"][q]} for q in tried}, tried)
+    if auto:  # only the chosen quant ships (the others are in the table)
+        keep = chosen or (tried[-1] if tried else None)
+        for q in tried:
+            if q != keep:
+                (tmp / files.pop(q)).unlink()
+    report["ladder"] = ladder_rows(report, tried, primary)
+    serve_quant = serve_choice(cfg, auto, chosen, tried, files)
+    report["serve_quant"] = serve_quant
+    report["chosen_quant"] = chosen
+
+    # 4. Ollama Modelfile for the served quant (the one 'make serve' serves too)
+    serve_name = files[serve_quant]
     gen_eos_ids = [e for e in eog if e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])]
     if text_prompts:  # trained on raw text: the prompt as it is, no chat turns, no system prompt
         template, system = mfile.RAW_TEMPLATE, None
@@ -418,29 +457,159 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         stops = mfile.stop_tokens(tokenizer, pieces, gen_eos_ids)
     (tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, template, stops, system))
     report["modelfile"] = {"from": serve_name, "stop": stops, "system": system}
-    mf.write_json(tmp / "parity.json", report)
+    # timings (tokens/s) differ run to run: they go to the metrics and the manifest, never into parity.json
+    mf.write_json(tmp / "parity.json", {**{k: v for k, v in report.items() if k != "tokens_per_second"},
+                                        "ladder": [{k: v for k, v in r.items() if k != "tokens_per_second"}
+                                                   for r in report["ladder"]]})
     swap_dir(tmp, final)
 
+    export_dir = Path(cfg.paths.export_dir)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    # numbers only (dvc metrics show/diff): one entry per quant tried; the table with its words is parity.json's ladder
+    metrics = {r["quant"]: {**{k: v for k, v in r.items() if k not in ("quant", "passed")},
+                            "passed": int(r["passed"]), "served": int(r["quant"] == serve_quant)}
+               for r in report["ladder"]}
+    mf.write_json(export_dir / "gguf_metrics.json", metrics)
+    gq.plot_ladder(report["ladder"], export_dir / "quant_ladder.png", primary)
+
     root = Path(cfg.paths.root)
-    manifest_path = Path(cfg.paths.export_dir) / "gguf_manifest.json"
+    manifest_path = export_dir / "gguf_manifest.json"
     record = mf.stage_record("gguf", cfg, manifest_path, **{
         "seeds": {"seed": int(cfg.seed)},
         "llama_cpp": {"llama_cpp_python": llamacpp.version(), "source": str(src),
                       "system_info": llamacpp.system_info(),
-                      "lock_sha256": mf.sha256_file(llamacpp.REPO / "lockfiles/llama-cpp.txt")},
+                      "lock_sha256": mf.sha256_file(llamacpp.REPO / "lockfiles/llama-cpp.txt"),
+                      **({"tools_sha256": {t: mf.sha256_file(gq.tool(src, t))
+                                           for t in ("llama-imatrix", "llama-quantize")}} if imatrix else {})},
         "inputs": {"merged": mf.path_record(merged, root),
                    "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),
-                   "train_data": mf.path_record(Path(cfg.paths.prepared) / "train.jsonl", root)},
+                   "train_data": mf.path_record(Path(cfg.paths.prepared) / "train.jsonl", root),
+                   **({"imatrix_data": imatrix["data"]} if imatrix else {})},
         "outputs": {**{name: {**mf.path_record(final / f, root), "bytes": (final / f).stat().st_size}
                        for name, f in files.items()},
+                    **({"imatrix": mf.path_record(final / gq.IMATRIX_FILE, root)} if imatrix else {}),
                     "parity": mf.path_record(final / "parity.json", root),
                     "modelfile": mf.path_record(final / "Modelfile", root)},
+        "quality": {"served": serve_quant, "chosen": chosen, "tokens_per_second": report["tokens_per_second"]},
         "load_warnings": load["warnings"],
         "timing": {**timing, "wall_seconds": round(time.time() - started, 2)},
     })
     mf.write_json(manifest_path, record)
     print_summary(report, files, timing)
     return record
+
+
+def make_imatrix(cfg: DictConfig, src: Path, tokenizer: Any, f16: Path, out_dir: Path, n_threads: int
+                 ) -> dict[str, Any]:
+    """llama-imatrix on the training split (prompts and answers, export.imatrix.max_tokens of them) into
+    out_dir/imatrix.gguf; what it read is hashed (the text itself stays out of the outputs)."""
+    import hashlib
+    import shutil
+
+    max_tokens, chunk = gq.imatrix_settings(cfg.export.imatrix)
+    train_path = Path(cfg.paths.prepared) / "train.jsonl"
+    conversations = (export_conversations(train_path) if is_preference(cfg)
+                     else read_conversations(train_path, "run 'make prepare' first"))
+    text, tokens, used = gq.calibration_text(conversations, tokenizer, max_tokens)
+    if tokens < 2 * chunk:  # llama-imatrix needs two chunks: a small train split gets smaller chunks
+        chunk = tokens // 2 - 8  # less the BOS and the odd token the tool's tokenization may add
+        if chunk < 16:
+            raise ReprotuneError(f"gguf: {train_path} has {tokens} tokens, too few for an importance matrix; "
+                                 "set export.imatrix.enabled=false")
+    work = out_dir.parent / f".{out_dir.name}.imatrix-work"
+    try:
+        info = gq.compute_imatrix(src, f16, text, work, out_dir / gq.IMATRIX_FILE, chunk, n_threads,
+                                  bool(cfg.export.imatrix.process_output))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {**info, "tokens": tokens, "conversations": used, "max_tokens": max_tokens,
+            # relative to paths.root: parity.json must be the same bytes wherever the run is (make verify)
+            "data": {"source": os.path.relpath(train_path, cfg.paths.root),
+                     "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}}
+
+
+def task_references(cfg: DictConfig, n: int) -> tuple[dict | None, list[str]]:
+    """data.task and the reference answers of the first n holdout conversations (their last assistant message),
+    for the task metric of the gate; a preference holdout has none here (the gate is then parity alone)."""
+    from omegaconf import OmegaConf
+
+    if is_preference(cfg) or not cfg.data.get("task"):
+        return None, []
+    conversations = read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first")
+    refs = [next(m["content"] for m in reversed(conv) if m["role"] == "assistant") for conv in conversations[:n]]
+    return OmegaConf.to_container(cfg.data.task, resolve=True), refs
+
+
+class FileCheck:
+    """Everything 'make gguf' checks on one GGUF file: tokenization (hard), greedy parity, task metric, gate."""
+
+    def __init__(self, parity: DictConfig, seed: int, src: Path, tokenizer: Any, prompts: list[Prompt],
+                 greedy_prompts: list, hf_out: list[list[int]], eog: list[int], n_threads: int,
+                 task_cfg: dict | None, references: list[str], primary: str | None) -> None:
+        self.parity, self.seed, self.src, self.tokenizer, self.prompts = parity, seed, src, tokenizer, prompts
+        self.n_greedy, self.hf_out, self.eog, self.n_threads = len(greedy_prompts), hf_out, eog, n_threads
+        self.task_cfg, self.references, self.primary = task_cfg, references, primary
+
+    def run(self, name: str, path: Path, report: dict[str, Any], timing: dict[str, float]) -> None:
+        from llama_cpp import Llama
+
+        info = llamacpp.gguf_info(self.src, path)
+        report["type_mix"][name] = type_mix(info)
+        report["bytes"][name] = path.stat().st_size
+        if info["metadata"]["tokenizer.ggml.pre"] in (None, "default"):
+            raise ReprotuneError(f"gguf: {path.name} has no pre-tokenizer type; llama.cpp would guess")
+        vocab = load_vocab(path)
+        prompt_ids = check_template_and_tokens(vocab, self.tokenizer, self.prompts, path.name)
+        vocab.close()
+        report["tokenization"][name] = {"identical": True, "prompts": len(prompt_ids),
+                                        "tokens": sum(map(len, prompt_ids))}
+        t0 = time.time()
+        llm = Llama(model_path=str(path), n_ctx=int(self.parity.n_ctx), n_threads=self.n_threads,
+                    n_threads_batch=self.n_threads, seed=self.seed, verbose=False)
+        out = greedy_llama(llm, prompt_ids[: self.n_greedy], int(self.parity.max_new_tokens),
+                           set(self.eog), name)
+        seconds = time.time() - t0
+        timing[f"greedy_{name}_seconds"] = round(seconds, 2)
+        report["tokens_per_second"][name] = round(sum(map(len, out)) / seconds, 2) if seconds > 0 else None
+        report["greedy"][name] = compare_greedy(self.hf_out, out)
+        # decoded the way llama-cpp-python's server decodes a completion, so 'make serve' can be compared
+        answers = [llm.detokenize(o).decode("utf-8", errors="ignore") for o in out]
+        report["gguf_outputs"][name] = answers
+        del llm
+        task = None
+        if self.task_cfg is not None:
+            task = gq.task_scores(answers, self.references, self.task_cfg)
+            report["task"][name] = task
+        report["gate"][name] = gq.gate(report["greedy"][name], task, report["task"].get("hf_merged"),
+                                       self.primary, self.parity)
+
+
+def ladder_rows(report: dict[str, Any], tried: list[str], primary: str | None) -> list[dict[str, Any]]:
+    """One row per quant tried: size, speed, parity, task metric, verdict (the table and the plot)."""
+    rows = []
+    for q in tried:
+        g, task = report["greedy"][q], report["task"].get(q)
+        rows.append({"quant": q, "bytes": report["bytes"][q], "mib": round(report["bytes"][q] / 2**20, 1),
+                     "tokens_per_second": report["tokens_per_second"].get(q),
+                     "exact_match_rate": g["exact_match_rate"], "token_agreement": g["token_prefix_agreement"],
+                     "task_metric": task[primary] if task and primary else None,
+                     "reference_task_metric": report["task"]["hf_merged"][primary] if task and primary else None,
+                     "passed": report["gate"][q]["passed"]})
+    return rows
+
+
+def serve_choice(cfg: DictConfig, auto: bool, chosen: str | None, tried: list[str], files: dict[str, str]) -> str:
+    """The quant the Modelfile and 'make serve' use: export.serve.quant when set; else the ladder's choice
+    (export.quant=auto; the largest tried when none passed) or the first quant listed."""
+    wanted = cfg.export.serve.quant
+    if wanted:
+        if str(wanted) not in files:
+            raise ReprotuneError(f"gguf: export.serve.quant={wanted} is not among the files made "
+                                 f"({', '.join(files)})")
+        return str(wanted)
+    if auto:
+        return chosen or tried[-1]
+    return tried[0] if tried else next(iter(files))
 
 
 def print_summary(report: dict[str, Any], files: dict[str, str], timing: dict[str, float]) -> None:
@@ -453,6 +622,12 @@ def print_summary(report: dict[str, Any], files: dict[str, str], timing: dict[st
         print(f"  {filename:<20} {'identical':>10} {g['exact_match_rate']:>12.0%} "
               f"{g['token_prefix_agreement']:>11.1%}  {mix_s}")
     print("  timings: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in timing.items()))
+    for row in report["ladder"]:  # one line per quant tried, the verdict of the gate (parity.json: gate)
+        print(gq.summary_line(row["quant"], f"model-{row['quant']}.gguf", row["bytes"], report["greedy"][row["quant"]],
+                              report["gate"][row["quant"]], report["task"].get(row["quant"]), row["tokens_per_second"]))
+    served = report["serve_quant"]
+    verdict = "passed" if report["gate"][served]["passed"] else "FAILED (make serve refuses it)"
+    print(f"gguf: serving and Modelfile: model-{served}.gguf, which {verdict} the parity gate")
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

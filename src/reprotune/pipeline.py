@@ -89,7 +89,9 @@ STAGES: dict[str, Stage] = {
                    ["outputs/merged", "outputs/export/merge_manifest.json"]),
     "gguf": Stage("gguf", "Convert to GGUF, quantize, check parity with the HF model -> outputs/gguf",
                   ["outputs/merged", "data/prepared/holdout.jsonl", "data/prepared/train.jsonl", *LOCKS, *LLAMA_CPP],
-                  ["outputs/gguf", "outputs/export/gguf_manifest.json"]),
+                  ["outputs/gguf", "outputs/export/gguf_manifest.json"],
+                  # each quant tried: size, tokens/s, parity, task metric, pass/fail (and the plot of them)
+                  ["outputs/export/gguf_metrics.json"], ["outputs/export/quant_ladder.png"]),
     # the preference chain (objective=dpo|orpo|kto, params_pref.yaml): its own pairs and outputs, after SFT's
     "prepare_pairs": Stage("prepare", "Preference pairs: data.preference.path -> data/pairs (make prepare ARGS=objective=dpo)",
                            ["${data.preference.path}", *LOCKS],
@@ -122,8 +124,9 @@ STAGES: dict[str, Stage] = {
                        "(make gguf ARGS=objective=dpo)",
                        ["outputs/pref/merged", "data/pairs/holdout.jsonl", "data/pairs/train.jsonl", *LOCKS,
                         *LLAMA_CPP],
-                       ["outputs/pref/gguf", "outputs/pref/export/gguf_manifest.json"], preference=True,
-                       target="gguf"),
+                       ["outputs/pref/gguf", "outputs/pref/export/gguf_manifest.json"],
+                       ["outputs/pref/export/gguf_metrics.json"], ["outputs/pref/export/quant_ladder.png"],
+                       preference=True, target="gguf"),
     # run by make alone: a what-if before renting a GPU, a server, an upload, a re-run that compares bytes
     "plan": Stage("plan", "Memory, time and cost of a train run before renting a GPU -> outputs/plan.json",
                   outs=["outputs/plan.json"], dvc=False),

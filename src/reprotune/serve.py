@@ -15,6 +15,7 @@ serve-info prints the commands for the other two ways to serve the result: vLLM 
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 from pathlib import Path
@@ -29,8 +30,44 @@ from reprotune.preference import route_paths
 log = logging.getLogger("reprotune.serve")
 
 
+def parity_report(cfg: DictConfig) -> dict:
+    """outputs/gguf/parity.json (make gguf), or {} before the first export."""
+    path = Path(cfg.paths.gguf) / "parity.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def serve_quant(cfg: DictConfig) -> str:
+    """export.serve.quant, else the quant make gguf chose (parity.json: auto's pick, else the first listed)."""
+    if cfg.export.serve.quant:
+        return str(cfg.export.serve.quant)
+    chosen = parity_report(cfg).get("serve_quant")
+    if not chosen:
+        raise ReprotuneError(f"serve: {Path(cfg.paths.gguf) / 'parity.json'} names no served quant; run 'make gguf' "
+                             "(or set export.serve.quant)")
+    return str(chosen)
+
+
 def gguf_path(cfg: DictConfig) -> Path:
-    return Path(cfg.paths.gguf) / f"model-{cfg.export.serve.quant}.gguf"
+    return Path(cfg.paths.gguf) / f"model-{serve_quant(cfg)}.gguf"
+
+
+def served_for_info(cfg: DictConfig) -> str:
+    """The GGUF make serve would serve, or what it will be once make gguf has run."""
+    try:
+        return str(gguf_path(cfg))
+    except ReprotuneError:  # before make gguf: the first quant listed is what it will serve; auto picks one
+        quant = cfg.export.quant
+        first = quant if isinstance(quant, str) else (list(quant) or ["<none>"])[0]
+        return f"{Path(cfg.paths.gguf)}/model-{'<the quant make gguf chooses>' if first == 'auto' else first}.gguf"
+
+
+def check_gate(cfg: DictConfig, quant: str) -> None:
+    """Refuse a quant that failed make gguf's parity gate, unless export.serve.allow_failed=true."""
+    verdict = parity_report(cfg).get("gate", {}).get(quant)
+    if verdict is None or verdict["passed"] or cfg.export.serve.allow_failed:
+        return
+    raise ReprotuneError(f"serve: model-{quant}.gguf failed the parity gate of make gguf ({'; '.join(verdict['failed'])}"
+                         "); serve it anyway with export.serve.allow_failed=true")
 
 
 def llama_cpp_settings(cfg: DictConfig):
@@ -39,7 +76,8 @@ def llama_cpp_settings(cfg: DictConfig):
     path = gguf_path(cfg)
     if not path.is_file():
         raise ReprotuneError(f"serve: {path} not found; run 'make gguf' (export.quant must include "
-                          f"{cfg.export.serve.quant})")
+                          f"{serve_quant(cfg)})")
+    check_gate(cfg, serve_quant(cfg))
     server = ServerSettings(host=str(cfg.export.serve.host), port=int(cfg.export.serve.port))
     model = ModelSettings(model=str(path), model_alias=str(cfg.export.name), n_ctx=int(cfg.export.serve.n_ctx),
                           chat_format="chat_template.default", seed=int(cfg.seed), verbose=False,
@@ -73,7 +111,7 @@ def info(cfg: DictConfig) -> str:
     host, port = cfg.export.serve.host, cfg.export.serve.port
     return "\n".join([
         f"llama.cpp (make serve): OpenAI-compatible API on http://{host}:{port}/v1, model '{cfg.export.name}'",
-        f"  {shlex.join(['python', '-m', 'reprotune.serve'])}   # serves {gguf_path(cfg)}",
+        f"  {shlex.join(['python', '-m', 'reprotune.serve'])}   # serves {served_for_info(cfg)}",
         "vLLM, base + adapter (GPU host; no merge, no quantisation):",
         f"  {vllm_command(cfg)}",
         "Ollama, the GGUF with its Modelfile (template, stop tokens, system prompt):",
