@@ -135,7 +135,7 @@ def check_references(examples: Sequence[Example], task: dict) -> None:
 
 def builtin_data(cfg: DictConfig) -> bool:
     """The run's data is the built-in invoice file (whose task conf/data/invoices.yaml describes)."""
-    return Path(str(cfg.data.path)).resolve() == (Path(str(cfg.paths.raw)) / "invoices.jsonl").resolve()
+    return mx.is_builtin_data(str(cfg.data.path), str(cfg.paths.raw))
 
 
 # the room an answer gets beyond the longest training answer: tokens, and a fraction of its length
@@ -160,10 +160,8 @@ def settle_task(cfg: DictConfig, examples: Sequence[Example]) -> dict[str, Any]:
     """data.task and eval.max_new_tokens as this run uses them, written back into cfg (the report and the manifest
     say what was used): the task type from the reference answers (metrics.resolve_task), the generation budget from
     the training answers (answer_budget). A value set explicitly wins; a wrong one is one line naming the setting."""
-    builtin_task = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "data" / "invoices.yaml").task, resolve=False)
-    task = mx.resolve_task(OmegaConf.to_container(cfg.data.task, resolve=True), [ex.reference for ex in examples],
-                           builtin_data(cfg), builtin_task)
-    mx.check_task(task)
+    task = mx.run_task(OmegaConf.to_container(cfg.data.task, resolve=True), [ex.reference for ex in examples],
+                       str(cfg.data.path), str(cfg.paths.raw))
     check_references(examples, task)
     budget = cfg.eval.max_new_tokens
     if budget == "auto":

@@ -535,9 +535,14 @@ def task_references(cfg: DictConfig, n: int) -> tuple[dict | None, list[str]]:
 
     if is_preference(cfg) or not cfg.data.get("task"):
         return None, []
+    from reprotune import metrics as mx
+
     conversations = read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first")
-    refs = [next(m["content"] for m in reversed(conv) if m["role"] == "assistant") for conv in conversations[:n]]
-    return OmegaConf.to_container(cfg.data.task, resolve=True), refs
+    refs = [next(m["content"] for m in reversed(conv) if m["role"] == "assistant") for conv in conversations]
+    # resolved as eval resolves it (the whole holdout's answers decide an auto type): the gate scores eval's metric
+    task = mx.run_task(OmegaConf.to_container(cfg.data.task, resolve=True), refs, str(cfg.data.path),
+                       str(cfg.paths.raw))
+    return task, refs[:n]
 
 
 class FileCheck:

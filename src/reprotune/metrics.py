@@ -183,6 +183,27 @@ def resolve_task(task: Mapping[str, Any], references: Sequence[str], builtin: bo
     return resolved
 
 
+def is_builtin_data(data_path: str, raw_dir: str) -> bool:
+    """The run's data is the built-in invoice file (whose task conf/data/invoices.yaml describes)."""
+    from pathlib import Path
+
+    return Path(data_path).resolve() == (Path(raw_dir) / "invoices.jsonl").resolve()
+
+
+def run_task(task: Mapping[str, Any], references: Sequence[str], data_path: str, raw_dir: str) -> dict[str, Any]:
+    """data.task as a stage scores it (eval, and make gguf's gate): resolved against the holdout's reference answers
+    and the built-in task's own values (resolve_task), then checked (check_task). One rule for both stages, so the
+    gate's metric is one that eval reports."""
+    from omegaconf import OmegaConf
+
+    from reprotune.config import CONF_DIR
+
+    builtin_task = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "data" / "invoices.yaml").task, resolve=False)
+    resolved = resolve_task(task, references, is_builtin_data(data_path, raw_dir), builtin_task)
+    check_task(resolved)
+    return resolved
+
+
 def check_task(task: Mapping[str, Any]) -> None:
     """Fail before any model runs if data.task cannot be scored; the message names the bad key."""
     if task.get("type") not in ("json", "text"):
