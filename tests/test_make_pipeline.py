@@ -201,7 +201,9 @@ MATRIX = [
     ("export.parity.max_new_tokens=8", (*E8, "export.parity.max_new_tokens=8"), None, ["gguf", "gguf_pref"],
      "stale"),
     ("edit src/reprotune/modelfile.py", E8, "src/reprotune/modelfile.py", ["gguf", "gguf_pref"], "stale"),
-    ("edit src/reprotune/metrics.py", E8, "src/reprotune/metrics.py", ["eval", "eval_pref"], "stale"),
+    # make gguf's parity gate scores the task with the eval stage's metrics (reprotune.gguf_quality, issue #49)
+    ("edit src/reprotune/metrics.py", E8, "src/reprotune/metrics.py", ["eval", "gguf", "eval_pref", "gguf_pref"],
+     "stale"),
     ("export.merge.prompts=3", (*E8, "export.merge.prompts=3"), None, ["merge", "gguf", "merge_pref", "gguf_pref"],
      "run"),
     ("train.max_steps=4", (*E8, "export.merge.prompts=3", "train.max_steps=4"), None,
