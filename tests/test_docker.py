@@ -319,7 +319,8 @@ def test_merge_and_gguf_in_container_offline(image: dict, smoke_run: tuple[Path,
     assert out.returncode == 0, log[-4000:]
     assert "compiling libllama" not in log and "installing llama_cpp_python" not in log
     gguf = ws / "outputs/gguf"
-    assert sorted(p.name for p in gguf.iterdir()) == ["Modelfile", "model-F16.gguf", "model-Q8_0.gguf", "parity.json"]
+    assert sorted(p.name for p in gguf.iterdir()) == ["Modelfile", "imatrix.gguf", "model-F16.gguf", "model-Q8_0.gguf",
+                                                      "parity.json"]
     assert (gguf / "model-Q8_0.gguf").read_bytes()[:4] == b"GGUF"
     assert json.loads((ws / "outputs/train/metrics.json").read_text())["global_step"] == 4
     manifest = json.loads((ws / "outputs/export/gguf_manifest.json").read_text())

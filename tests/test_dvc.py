@@ -207,7 +207,8 @@ def test_metrics_show_and_diff_print_numbers(repo: tuple[Path, dict], v1: dict, 
     shown = last_json(sh([dvc, "metrics", "show", "--json"], root, env))
     files = shown["workspace"]["data"] if "workspace" in shown else shown[next(iter(shown))]["data"]
     # the preference chain's metrics are declared too, though that chain has not run here
-    assert set(files) - {"data/pairs/metrics.json", "outputs/pref/train/metrics.json", "outputs/pref/eval/metrics.json"} == {"data/prepared/metrics.json", "outputs/train/metrics.json",
+    assert set(files) - {"data/pairs/metrics.json", "outputs/pref/train/metrics.json", "outputs/pref/eval/metrics.json",
+                         "outputs/export/gguf_metrics.json", "outputs/pref/export/gguf_metrics.json"} == {"data/prepared/metrics.json", "outputs/train/metrics.json",
                                    "outputs/eval/metrics.json"}
 
     def flat(d: dict, prefix: str = "") -> dict:

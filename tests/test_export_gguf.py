@@ -183,3 +183,14 @@ def test_make_verify_reruns_the_gguf_manifest(exported: tuple[Path, list[str]]) 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for name in ("F16", "Q4_K_M", "Q8_0", "imatrix", "parity"):
         assert re.search(rf"output {name}\s+identical", proc.stdout), proc.stdout[-2000:]
+
+
+def test_gguf_metrics_are_numbers_only(exported: tuple[Path, list[str]]) -> None:
+    """outputs/export/gguf_metrics.json (a DVC metrics file): numbers only, and no timing (tokens/s is the
+    manifest's), so two identical exports give identical metrics bytes."""
+    from .test_metrics_files import leaves, non_numbers
+
+    root, _ = exported
+    path = root / "outputs/export/gguf_metrics.json"
+    assert not non_numbers(path), non_numbers(path)
+    assert not [k for k, _ in leaves(json.loads(path.read_text())) if "per_second" in k or "seconds" in k]

@@ -341,7 +341,10 @@ def type_mix(info: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- main
 def gguf(cfg: DictConfig) -> dict[str, Any]:
+    from reprotune import kernels
     from reprotune import manifest as mf
+
+    kernels.route_matmul_as_pinned()
 
     started = time.time()
     route_paths(cfg)  # a preference run: outputs/pref/merged and data/pairs in, outputs/pref/{gguf,export} out
@@ -466,7 +469,8 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     export_dir = Path(cfg.paths.export_dir)
     export_dir.mkdir(parents=True, exist_ok=True)
     # numbers only (dvc metrics show/diff): one entry per quant tried; the table with its words is parity.json's ladder
-    metrics = {r["quant"]: {**{k: v for k, v in r.items() if k not in ("quant", "passed")},
+    # (tokens/s is a timing: the manifest's, so that identical runs give identical metrics bytes)
+    metrics = {r["quant"]: {**{k: v for k, v in r.items() if k not in ("quant", "passed", "tokens_per_second")},
                             "passed": int(r["passed"]), "served": int(r["quant"] == serve_quant)}
                for r in report["ladder"]}
     mf.write_json(export_dir / "gguf_metrics.json", metrics)

@@ -165,6 +165,13 @@ def route_matmul(mode: str, machine: str | None = None) -> dict[str, Any] | None
     return cpu_blas.install()
 
 
+def route_matmul_as_pinned() -> dict[str, Any] | None:
+    """route_matmul with the mode this process was pinned with (APPLIED_ENV): for the stages that compute without
+    set_reproducibility (merge's LoRA products and parity logits, make gguf's HF greedy answers), so every stage's
+    float32 products run where its manifest's kernel_state says, in a test's process or a stage's own alike."""
+    return route_matmul(os.environ.get(APPLIED_ENV, "unpinned"))
+
+
 def thread_count(configured: int | None, mode: str) -> int | None:
     """The CPU threads to compute with: hardware.num_threads, else PINNED_THREADS in pinned mode, else torch's."""
     if configured:

@@ -128,7 +128,10 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from peft import PeftModel
 
+    from reprotune import kernels
     from reprotune import manifest as mf
+
+    kernels.route_matmul_as_pinned()
 
     started = time.time()
     route_paths(cfg)  # a preference run: outputs/pref/adapter and data/pairs in, outputs/pref/{merged,export} out
