@@ -47,7 +47,8 @@ def kto_rows() -> list[dict]:
 KTO_ROWS = 5  # an odd micro-batch of unpaired rows: nothing is paired by position
 
 
-def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo", device: str = "cpu", steps: int = 1):
+def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo", device: str = "cpu", steps: int = 1,
+             overrides: tuple[str, ...] = ()):
     """TRL's trainer for `objective` on the built-in pairs, packed or TRL's padded batch; on the CPU in float32, or
     (tests/test_repro_gpu.py) on CUDA as the GPU fast path decides it."""
     from datasets import Dataset
@@ -57,7 +58,7 @@ def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo", device:
     rows = KTO_ROWS if objective == "kto" else N_PAIRS
     cfg = compose([f"model={preset}", f"hardware={'cpu' if device == 'cpu' else 'gpu'}", f"paths.root={tmp}",
                    f"objective={objective}", f"train.packing={pack}", f"train.per_device_train_batch_size={rows}",
-                   f"train.max_steps={steps}"])
+                   f"train.max_steps={steps}", *overrides])
     run = decide(cfg, Hardware("cpu") if device == "cpu" else detect(device), None, None)
     assert run.packing is pack
     if device == "cpu":

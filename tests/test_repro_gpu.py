@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: GPU determinism is checked on a GPU machine (docs/gpu.md)")]
 
 TOKENIZER = os.environ.get("REPROTUNE_GPU_TEST_TOKENIZER")
+TOKENIZER_OVERRIDE = (f"model.random_init.tokenizer_dir={TOKENIZER}",) if TOKENIZER else ()
 COMMON = ["model=tiny_random_qwen3", "model.random_init.architecture.head_dim=16", "hardware=gpu",
-          "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100",
-          *([f"model.random_init.tokenizer_dir={TOKENIZER}"] if TOKENIZER else [])]
+          "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100", *TOKENIZER_OVERRIDE]
 
 CASES = {
     "sft-lora-packed": [],
@@ -60,7 +60,8 @@ def test_default_gpu_dpo_on_packed_pairs_is_byte_identical(tmp_path: Path) -> No
         from reprotune.runtime import set_reproducibility
 
         set_reproducibility(compose(["model=tiny_random_qwen3", "hardware=gpu"]), "cuda")
-        trainer = _trainer(tmp_path / str(run), "tiny_random_qwen3", True, device="cuda", steps=3)
+        trainer = _trainer(tmp_path / str(run), "tiny_random_qwen3", True, device="cuda", steps=3,
+                           overrides=TOKENIZER_OVERRIDE)
         trainer.train()
         weights = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
         return b"".join(weights[n].detach().float().cpu().numpy().tobytes() for n in sorted(weights))
