@@ -177,7 +177,7 @@ def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> 
 
 
 def session_dir(factory: pytest.TempPathFactory) -> Path:
-    """The temporary folder every xdist worker of this session shares (each worker's basetemp is a child)."""
+    """The temporary folder every xdist worker of this pytest session shares (each worker's basetemp is a child)."""
     base = factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: TRL's activation offloading "
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: TRL's activation offloading "
                                  "moves GPU tensors (run on the GPU machine, docs/gpu.md)")]
 
 LAYERS, HIDDEN, TOKENS = 8, 256, 8192

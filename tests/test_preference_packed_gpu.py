@@ -15,9 +15,9 @@ import torch
 from reprotune import varlen_attention
 from reprotune.preference import packed
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and varlen_attention.available()
-         and torch.cuda.get_device_capability() >= (8, 0)), reason="needs a CUDA GPU (sm80+) with torch's varlen kernel")
+         and torch.cuda.get_device_capability() >= (8, 0)), reason="needs a CUDA GPU (sm80+) with torch's varlen kernel")]
 
 
 def layout_batch() -> packed.Packed:

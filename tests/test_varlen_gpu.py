@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the varlen kernel is "
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the varlen kernel is "
                                  "FlashAttention's (run on the GPU machine, docs/gpu.md)")]
 
 
