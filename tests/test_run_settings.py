@@ -62,12 +62,13 @@ def _train_pick(cfg, gpu: str) -> tuple[d.RunSettings | None, str]:
         return None, stderr.getvalue().strip()
 
 
-# every preset in the full lane (make test-all, CI); the fast lane (make test) keeps the 8B Qwen3 (each case runs
-# make_plan once per card inside the preflight: ~6 CPU seconds)
+# every preset and method in the full lane (make test-all, CI); the fast lane (make test) keeps the 8B Qwen3's
+# QLoRA (each case runs make_plan once per card inside the preflight: ~6 CPU seconds)
 FAST_MODELS = ("qwen3_8b",)
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora", "dora"])
+@pytest.mark.parametrize("method", ["qlora", pytest.param("lora", marks=pytest.mark.slow),
+                                    pytest.param("dora", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", [m if m in FAST_MODELS else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def test_make_plan_and_make_train_pick_the_same_on_every_card(model: str, method: str, tmp_path: Path) -> None:
     """The two entry points, each as its command calls it: make plan's make_plan(cfg) (all `python -m
@@ -127,6 +128,7 @@ def test_liger_is_planned_only_where_it_runs() -> None:
     assert bare.predicted["peak_gib"] != with_liger.predicted["peak_gib"]
 
 
+@pytest.mark.slow  # full lane: decides 30 runs
 def test_llama_style_norms_run_torchs_fused_kernel_where_liger_runs() -> None:
     """hardware.norm_kernel: auto = torch's fused rms_norm for a preference run's Llama-style norms, with Liger's
     other kernels (a DPO step waits on the host: docs/preference.md), Liger's for SFT and for Gemma's (1 + weight)
