@@ -163,21 +163,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
     """The modules that used most CPU (the reports reach the controller with their user_properties)."""
     cpu: dict[str, float] = {}
+    per_test: dict[str, float] = {}
     for reports in terminalreporter.stats.values():  # type: ignore[attr-defined]
         for report in reports:
             for key, value in getattr(report, "user_properties", ()):
                 if key == CPU_KEY:
                     module = module_of(report.nodeid)
                     cpu[module] = cpu.get(module, 0.0) + value
+                    per_test[report.nodeid] = per_test.get(report.nodeid, 0.0) + value
     if cpu:
         top = sorted(cpu.items(), key=lambda kv: -kv[1])[:25]
         terminalreporter.write_sep("=", f"CPU seconds per module (top {len(top)}; all: {sum(cpu.values()):.0f})")  # type: ignore[attr-defined]
         for module, seconds in top:
             terminalreporter.write_line(f"{seconds:8.1f}  {module}")  # type: ignore[attr-defined]
+        # per test (setup + call + teardown): what to move to the full lane when the fast one grows (docs/testing-time.md)
+        tests = sorted(per_test.items(), key=lambda kv: -kv[1])[:30]
+        terminalreporter.write_sep("=", f"CPU seconds per test (top {len(tests)})")  # type: ignore[attr-defined]
+        for nodeid, seconds in tests:
+            terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")  # type: ignore[attr-defined]
 
 
 def session_dir(factory: pytest.TempPathFactory) -> Path:
-    """The temporary folder every xdist worker of this session shares (each worker's basetemp is a child)."""
+    """The temporary folder every xdist worker of this pytest session shares (each worker's basetemp is a child)."""
     base = factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 

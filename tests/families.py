@@ -12,6 +12,8 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": 
            "gemma3": "Gemma3ForCausalLM"}
 
 
-def family_params() -> list:
-    """pytest.param(preset, id=family) for every family."""
-    return [pytest.param(preset, id=family) for family, preset in FAMILIES.items()]
+def family_params(fast: tuple[str, ...] | None = None) -> list:
+    """pytest.param(preset, id=family) for every family. fast: the families the fast lane (make test) keeps; the
+    others are marked slow (make test-all and CI run every family). None: every family in the fast lane."""
+    return [pytest.param(preset, id=family, marks=() if fast is None or family in fast else pytest.mark.slow)
+            for family, preset in FAMILIES.items()]

@@ -87,6 +87,7 @@ def test_objective_keys_beside_sft_args_go_to_the_default_preference_objective(t
     assert pref["objective"]["beta"] == 0.2 and pref["train"]["max_steps"] == 3
 
 
+@pytest.mark.slow  # full lane: renders every model preset's template through its tokenizer
 def test_training_template_renders_like_the_model_template() -> None:
     """The {% generation %} markers must not change the text the model is trained on."""
     from transformers import AutoTokenizer

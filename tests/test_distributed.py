@@ -96,14 +96,19 @@ def test_kill_9_of_one_rank_then_rerun_resumes_identically(runs: dict[str, dict]
     write_jsonl(tmp_path / "data/prepared/train.jsonl", generate(16, seed=5))
     proc = launch(tmp_path, 2)
     kill_after = random.choice([2, 4])
+    print(f"drew: kill one rank once checkpoint-{kill_after} is sealed", flush=True)  # before it happens
     seal = tmp_path / f"outputs/checkpoints/checkpoint-{kill_after}/reprotune-sealed.json"
-    deadline = time.time() + 600
+    waited = time.monotonic()
     while not seal.is_file():
-        assert proc.poll() is None and time.time() < deadline, "no sealed checkpoint before the run ended"
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before checkpoint-{kill_after} was sealed"
+        # a 6-step tiny run seals checkpoint-4 in well under a minute on 2 busy cores: 10 min is a hang, not load
+        assert time.monotonic() - waited < 600, f"no sealed checkpoint-{kill_after} after 10 min: the run hangs"
         time.sleep(0.05)
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "reprotune.train" in " ".join(p.cmdline())]
     assert len(ranks) == 2
     victim = random.choice(ranks)
+    # printed before the kill: a failure's captured output names the draw that led to it
+    print(f"drew: SIGKILL pid {victim.pid} of the rank processes {[r.pid for r in ranks]}", flush=True)
     os.kill(victim.pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and not (tmp_path / "outputs/adapter").exists(), "the run finished before the kill"

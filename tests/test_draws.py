@@ -36,6 +36,7 @@ def unique_pairs(n: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # full lane: a real TRL DPO run of 7 steps on the CPU
 def test_the_drawn_micro_batches_are_the_ones_training_takes(tmp_path: Path) -> None:
     from datasets import Dataset
 

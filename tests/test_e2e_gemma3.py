@@ -16,7 +16,7 @@ import pytest
 from .conftest import small_invoices
 
 # Opt-in, like the CUDA image (tests/test_docker.py): the run installs ~240 MB of wheels and trains, evaluates,
-# merges and exports a 270M model on the CPU. Measured on the idle 2-core box (eighth session): 3 passed in 437.5 s,
+# merges and exports a 270M model on the CPU. Measured on the idle 2-core box (2026-12-02): 3 passed in 437.5 s,
 # which on one of CI's two workers would take CI past the 30 minutes of issue #24 (25.7 without it). Run it with
 # REPROTUNE_E2E_GEMMA=1.
 pytestmark = [pytest.mark.slow,

@@ -97,6 +97,7 @@ def test_report_shows_table_and_differing_examples(evaluated: tuple[Path, dict])
     assert [deltas[[r["index"] for r in differ].index(i)] for i in shown] == sorted(deltas)
 
 
+@pytest.mark.slow  # full lane: a second eval run
 def test_rerun_is_byte_identical(evaluated: tuple[Path, dict], tiny_adapter: Path) -> None:  # noqa: F811
     out, _ = evaluated
     evaluate(compose(eval_overrides(tiny_adapter, "eval_b")))
@@ -132,6 +133,7 @@ def test_base_pass_is_the_plain_base_model(evaluated: tuple[Path, dict], tiny_ad
     assert abs(record["reference_loss"]["tuned"] - loss) > 1e-3
 
 
+@pytest.mark.slow  # full lane: a second eval run at batch size 1
 def test_batching_does_not_change_predictions(evaluated: tuple[Path, dict], tiny_adapter: Path) -> None:  # noqa: F811
     """Left padding is right: one example at a time gives the same greedy replies as batches of 4."""
     out, _ = evaluated
@@ -142,6 +144,7 @@ def test_batching_does_not_change_predictions(evaluated: tuple[Path, dict], tiny
     assert "loss" not in json.loads((tiny_adapter / "eval_bs1/metrics.json").read_text())["base"]
 
 
+@pytest.mark.slow  # full lane: an eval run in its own process (test_holdout_validation checks the messages in process)
 def test_bad_holdout_line_is_one_clear_error(tiny_adapter: Path, tmp_path: Path) -> None:  # noqa: F811
     """Run as the CLI: exit code, one line naming file, line and field, and earlier outputs left alone."""
     rows = read_jsonl(tiny_adapter / "data/prepared/holdout.jsonl")[:3]
@@ -231,6 +234,7 @@ def test_smollm2_short_run_end_to_end(smollm2_run: tuple[Path, list[str]], tmp_p
     assert all(r["predictions"]["base"] and r["predictions"]["tuned"] for r in batched)  # real text, not empty
 
 
+@pytest.mark.slow  # full lane: three eval runs
 def test_a_failure_while_writing_keeps_the_previous_set(tiny_adapter: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The five files appear as one set (#22): a failure after predictions, metrics and the report were written
     (the plot fails, as a full disk would) leaves the previous five byte for byte; the next good run swaps in a

@@ -245,6 +245,7 @@ def test_merge_pref_without_a_preference_adapter_says_which_make_train(tmp_path:
                               "'make train ARGS=\"objective=dpo\"' first")
 
 
+@pytest.mark.slow  # full lane: make serve-info in its own process on a preference run
 def test_serve_info_of_a_preference_run_names_its_own_gguf_and_adapter(tmp_path: Path) -> None:
     """make serve ARGS="objective=dpo" serves what make gguf ARGS="objective=dpo" wrote (outputs/pref/gguf)."""
     proc = subprocess.run([sys.executable, "-m", "reprotune.serve", "model=tiny_random", "objective=dpo",

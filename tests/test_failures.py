@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -311,10 +312,12 @@ def test_a_second_run_is_refused_before_params_yaml_and_a_killed_holder_frees_th
     holder = subprocess.Popen([PY, "-c", HOLD_LOCK], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        started = time.monotonic()
-        second = subprocess.run([PY, "-m", "reprotune.runner", "train", "train.max_steps=6"], cwd=tmp_path,
-                                capture_output=True, text=True, timeout=120)
-        assert time.monotonic() - started < 60
+        try:  # the holder sleeps 600 s: a second run that queued on the lock would still be waiting at 120 s
+            second = subprocess.run([PY, "-m", "reprotune.runner", "train", "train.max_steps=6"], cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the second run still waits after 120 s: it must refuse while another run holds the "
+                        "checkout lock, not queue behind it")
         assert second.returncode == 2
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1, second.stderr
@@ -358,10 +361,22 @@ def test_a_stage_dies_with_its_parent_even_on_sigkill() -> None:
     child = int(parent.stdout.readline())
     parent.kill()
     parent.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(child):
+    waited = wait_until(lambda: not _alive(child), 30, f"the stage (pid {child}) to die with its SIGKILLed parent",
+                        "PR_SET_PDEATHSIG has the kernel kill it at once; 30 s is far beyond any scheduling delay")
+    print(f"the orphaned stage was gone {waited:.2f} s after its parent's SIGKILL")
+
+
+def wait_until(done: Callable[[], bool], seconds: float, what: str | Callable[[], str], why: str) -> float:
+    """Poll `done` until it holds; the seconds it took. `seconds` bounds a hang, it is no speed requirement: on a
+    timeout the failure says what was awaited (`what`, a callable to describe the state at that moment) and why
+    that limit means it will not happen (`why`)."""
+    started = time.monotonic()
+    while not done():
+        waited = time.monotonic() - started
+        if waited > seconds:
+            pytest.fail(f"waited {waited:.0f} s for {what() if callable(what) else what}: {why}")
         time.sleep(0.1)
-    assert not _alive(child)
+    return time.monotonic() - started
 
 
 def _alive(pid: int) -> bool:
@@ -510,20 +525,20 @@ def start_long_train(root: Path, env: dict, log: Path) -> subprocess.Popen:
     handle = open(log, "w")  # noqa: SIM115 - closed by the caller's process exit
     proc = subprocess.Popen(["make", "train", f"ARGS={' '.join(LONG)}"], cwd=root, env=env, stdout=handle,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while "+ -m reprotune.train" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
+    started = wait_until(lambda: "+ -m reprotune.train" in log.read_text() or proc.poll() is not None, 600,
+                         "make train to start its stage", "prepare is up to date, so only the venv check, "
+                         "params.yaml and dvc's own start come first (seconds); 10 min is a hang")
+    assert proc.poll() is None, f"make train exited ({proc.returncode}) before the stage ran: {log.read_text()[-3000:]}"
+    print(f"the stage started {started:.1f} s after make train")
     time.sleep(3)  # into the model load / first steps
     return proc
 
 
-def wait_gone(root: Path, seconds: float) -> float:
-    started = time.monotonic()
-    while processes_in(root):
-        assert time.monotonic() - started < seconds, f"still running: {processes_in(root)}"
-        time.sleep(0.1)
-    return time.monotonic() - started
+def wait_gone(root: Path, seconds: float, after: str) -> float:
+    """Wait for every process of the run in `root` to exit after `after`; the seconds it took."""
+    return wait_until(lambda: not processes_in(root), seconds,
+                      lambda: f"every process of the run to exit after {after} (still running: {processes_in(root)})",
+                      "the stage stops at its next step boundary and dvc and the runner follow it (a few seconds)")
 
 
 @pytest.mark.slow
@@ -539,7 +554,7 @@ def test_two_runs_at_once_and_sigterm_mid_stage(trained: tuple[Path, dict, dict[
     assert (root / "params.yaml").read_bytes() == params  # the running stage's settings, untouched
 
     os.kill(first.pid, signal.SIGTERM)  # make only, as a script or a pod stop does: make forwards nothing
-    took = wait_gone(root, 30)
+    took = wait_gone(root, 60, "SIGTERM to make")
     assert first.wait(timeout=30) != 0
     log = (tmp_path / "first.log").read_text()
     assert "make train: stopped by SIGTERM; the previous outputs" in log, log[-3000:]
@@ -562,7 +577,7 @@ def test_sigkill_to_the_whole_process_group_keeps_the_outputs(trained: tuple[Pat
     first = start_long_train(root, env, tmp_path / "killed.log")
     os.killpg(first.pid, signal.SIGKILL)  # make and the runner; dvc and the stage follow by PR_SET_PDEATHSIG
     first.wait(timeout=30)
-    took = wait_gone(root, 30)
+    took = wait_gone(root, 60, "SIGKILL to make's process group")
     time.sleep(2)
     assert outputs_sha(root) == sha
     print(f"\nSIGKILL to make's process group: dvc and the stage gone after {took:.2f} s")

@@ -45,6 +45,7 @@ def test_tiny_family_builds_its_architecture_class(preset: str, tmp_path: Path) 
     assert model.config.vocab_size == len(load_tokenizer(model_dir, cfg.model)) == SMOLLM2_IDS
 
 
+@pytest.mark.slow  # full lane: builds the 8B architecture on the meta device
 def test_qwen3_8b_random_is_qwen3_8b() -> None:
     """The config the preset builds is conf/model/qwen3_8b.yaml's architecture in Qwen3's own config class."""
     spec = _spec("qwen3_8b_random")
@@ -56,6 +57,7 @@ def test_qwen3_8b_random_is_qwen3_8b() -> None:
     assert all(getattr(config, k) == v for k, v in hub.items() if k != "rope_theta")
 
 
+@pytest.mark.slow  # full lane: builds the 1B architecture on the meta device
 def test_llama32_1b_random_has_llama3_rope_scaling_and_a_tied_head() -> None:
     spec = _spec("llama32_1b_random")
     config = random_init_config(spec, _random_init_tokenizer(spec), "llama32_1b_random")
@@ -97,6 +99,7 @@ def test_a_local_model_whose_embedding_is_too_small_stops_before_loading(tmp_pat
     assert load_tokenizer(local, None).pad_token is not None  # an adapter/merged dir: no base to check against
 
 
+@pytest.mark.slow  # full lane: builds a tokenizer folder and the stage in its own process
 def test_a_tokenizer_without_eos_is_one_line(tmp_path: Path) -> None:
     spec = _spec("tiny_random")
     tokenizer = _random_init_tokenizer(spec)
@@ -107,6 +110,7 @@ def test_a_tokenizer_without_eos_is_one_line(tmp_path: Path) -> None:
         check_vocabulary("tiny_random", tokenizer, SMOLLM2_IDS)
 
 
+@pytest.mark.slow  # full lane: a forward of each family's model
 def test_one_id_past_the_embedding_is_caught() -> None:
     tokenizer = _random_init_tokenizer(_spec("tiny_random"))
     with pytest.raises(ReprotuneError, match="highest 49,151"):

@@ -46,6 +46,7 @@ def test_every_hub_preset_names_its_hub_id() -> None:
     assert preset_hub_id("smollm2_135m") is None and preset_hub_id("nope") is None
 
 
+@pytest.mark.slow  # full lane: copies and loads a model folder twice
 def test_a_renamed_preset_on_a_local_dir_stops_before_anything_loads(tmp_path: Path) -> None:
     """Inside the real Hydra app: one line, exit 2, nothing written (it used to fail after training)."""
     weights = _local_copy(tmp_path, "tiny_random_qwen3", "Qwen/Qwen3-8B")
@@ -86,6 +87,7 @@ def test_a_hub_preset_from_a_local_copy_trains_and_records_its_hub_id(preset: st
     assert f"`{hub_id}`" in card and "private=true (the default for any data)" in card
 
 
+@pytest.mark.slow  # full lane: materialises both built-in models
 @pytest.mark.parametrize("preset", ["gemma3_270m", "smollm2_135m"])
 def test_a_built_in_preset_with_a_local_dir_is_one_line_before_anything_loads(preset: str, tmp_path: Path) -> None:
     """The built-in presets' weights come from their packages: a model.path beside one was silently ignored (the

@@ -48,6 +48,7 @@ def test_mode_from_the_command_line_the_config_file_and_the_parent(tmp_path: Pat
     assert kernels.mode_from_argv(["model=tiny_random"]) == "native"
 
 
+@pytest.mark.slow  # full lane: stages in their own processes
 def test_a_users_level_is_overridden_with_one_line_and_native_gives_it_back() -> None:
     pinned, err = probe(env={"ATEN_CPU_CAPABILITY": "default"})
     level = kernels.pinned_env()["ATEN_CPU_CAPABILITY"]
@@ -97,6 +98,7 @@ print(json.dumps({"calls": cpu_blas.calls(), "matmul": kernels.kernel_state()["m
 
 @pytest.mark.skipif(kernels.MATMUL.get(platform.machine().lower()) != "openblas",
                     reason="the OpenBLAS route is the x86-64 pinned path")
+@pytest.mark.slow  # full lane: products in their own processes per mode
 def test_pinned_mode_runs_float32_products_on_openblas_and_native_does_not() -> None:
     """Pinned: torch.mm, nn.Linear forward and backward, addmm (bias, LoRA's fused scale), addmm_ and mm(out=) go
     through OpenBLAS's pinned core (the route counts its sgemm calls, and torch.mm's bytes are a direct sgemm's);

@@ -47,7 +47,7 @@ def _loss_and_grads(model, ids: torch.Tensor, tile: int) -> tuple[float, dict]:
     return float(loss.detach()), grads
 
 
-@pytest.mark.parametrize("preset", family_params())
+@pytest.mark.parametrize("preset", family_params(fast=("qwen3",)))
 def test_tiled_mlp_gives_the_whole_mlps_loss_and_gradients(preset: str, tmp_path: Path) -> None:
     """fp32 on the CPU: the tiles' products are the same products on fewer rows, so loss and every adapter
     gradient agree to 1e-5 relative (and 1e-7 absolute); and the forward keeps less for the backward (the
@@ -206,6 +206,7 @@ def test_a_forced_switch_is_kept_and_cpu_offloading_is_one_line() -> None:
                  d.Hardware("cpu"), None, None)
 
 
+@pytest.mark.slow  # full lane: the train stage in its own process
 def test_offloading_on_a_cpu_run_is_one_line_through_the_stage(workspace: tuple[Path, list[str]]) -> None:
     import subprocess
     import sys

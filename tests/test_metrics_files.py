@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from reprotune import pipeline
 from reprotune.config import compose
 from reprotune.evaluate import evaluate
@@ -33,6 +35,7 @@ def non_numbers(path: Path) -> list[tuple[str, Any]]:
             or not math.isfinite(v)]
 
 
+@pytest.mark.slow  # full lane: runs prepare, eval and the preference stages to read their metrics files
 def test_every_metrics_file_holds_only_numbers(tiny_adapter: Path, tmp_path: Path) -> None:  # noqa: F811
     rows = generate(40, seed=7)  # scrubbed for real, with one planted email: the PII counts are metrics too
     rows[3]["messages"][1]["content"] += "\nQuestions? Write to jane.miller@example-supplies.com"

@@ -50,7 +50,7 @@ def _trainer(tmp: Path, packing: bool, preset: str = "tiny_random"):
     return trainer
 
 
-@pytest.fixture(scope="module", params=family_params())
+@pytest.fixture(scope="module", params=family_params(fast=("qwen3",)))
 def trainers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """One packed and one unpacked trainer per architecture family (test ids: [llama], [qwen3], ...)."""
     tmp = tmp_path_factory.mktemp("packing")

@@ -328,6 +328,7 @@ def planted_sample(step: int = 5) -> list:
     return bench_planted().generate(seed=0)[::step]
 
 
+@pytest.mark.slow  # full lane: scrubs the planted benchmark sample
 def test_benchmark_sample_structured_identifiers_all_replaced(scrubber: Scrubber) -> None:
     bench = bench_planted()
     full = bench.generate(seed=0)

@@ -6,6 +6,7 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from reprotune import pipeline
@@ -14,6 +15,7 @@ from reprotune.config import compose
 from .conftest import REPO
 
 
+@pytest.mark.slow  # full lane: imports every stage module in its own process to derive the deps; make dvc-yaml regenerates dvc.yaml and CI checks it
 def test_dvc_yaml_is_fresh() -> None:
     """Editing a stage's imports or config reads without 'make dvc-yaml' fails here."""
     assert (REPO / "dvc.yaml").read_text() == pipeline.render(*pipeline.default_configs()), \

@@ -75,6 +75,7 @@ def test_padded_preference_runs_are_planned_not_refused(over: tuple[str, ...], t
     json.dumps(plan)
 
 
+@pytest.mark.slow  # full lane: two make plan processes (the in-process plans of ORPO/KTO stay fast)
 def test_make_plan_command_prints_a_plan_for_orpo_and_kto(tmp_path: Path) -> None:
     """Before: `objective=orpo` was refused in one line (exit 2, memory not modelled)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}

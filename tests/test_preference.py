@@ -228,7 +228,8 @@ def run_train(root: Path, *overrides: str) -> dict:
     return train(compose([*PAIRS_TRAIN, f"paths.root={root}", *fresh, *overrides]))
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.slow), True],  # full lane: padded
+                         ids=["padded", "packed"])
 def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_path: Path, packing: bool) -> None:
     """TRL's padded pairs, and the packed pairs of reprotune.preference.packed (the GPU default) on the CPU. The
     packed rerun collates in a DataLoader worker (the GPU default for packed pairs): the same bytes."""
@@ -252,7 +253,8 @@ def test_dpo_reruns_give_the_same_adapter_bytes_and_record_the_objective(tmp_pat
     assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "ref").exists()
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.slow), True],  # full lane: padded
+                         ids=["padded", "packed"])
 def test_dpo_starts_from_the_sft_adapter_which_is_the_reference(tmp_path: Path, packing: bool,
                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
     """The default objective.init_adapter is the SFT run's outputs/adapter: trained further into outputs/pref, the
@@ -290,6 +292,7 @@ def test_dpo_starts_from_the_sft_adapter_which_is_the_reference(tmp_path: Path, 
                                                                 ("kto", "kto.jsonl", True),
                                                                 ("orpo", "trl_conversational.jsonl", True)],
                          ids=["dpo-padded", "dpo-packed", "kto", "kto-packed", "orpo-packed"])
+@pytest.mark.slow  # full lane: a training step per objective and layout
 def test_the_reference_forward_leaves_checkpointing_as_train_set_it(tmp_path: Path, objective: str, fixture: str,
                                                                      packing: bool) -> None:
     """TRL 1.16 turns checkpointing off and back on around each reference forward, and the re-enable drops
@@ -555,6 +558,7 @@ def eval_workspace(root: Path, factory: pytest.TempPathFactory, rows: list[dict]
     return [f"paths.root={root}", "model=tiny_random", "objective.init_adapter=null", "eval.max_new_tokens=8"]
 
 
+@pytest.mark.slow  # full lane: a KTO eval run of three systems
 def test_make_eval_on_a_kto_holdout_scores_rows_and_desirable_answers(tmp_path: Path,
                                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
     """KTO rows of the built-in task: the preference metrics on every row, the task metrics (field accuracy) on
@@ -649,6 +653,7 @@ def test_a_text_row_in_a_message_holdout_is_one_line(tmp_path: Path) -> None:
 TOOL_TEMPLATE = f"model.chat_template={Path(__file__).parents[1] / 'conf/chat_templates/qwen2_5_tools.jinja'}"
 
 
+@pytest.mark.slow  # full lane: prepare and a DPO training run
 def test_tool_calls_results_and_tools_survive_prepare_and_train_with_dpo(tmp_path: Path) -> None:
     with pytest.raises(ReprotuneError, match=r"openai_tools.jsonl:1: tools: 2 record\(s\) use tools, but "
                                              r"model.chat_template \(the tokenizer of tiny_random\) leaves"):
@@ -688,6 +693,7 @@ def test_sharegpt_pairwise_function_call_and_observation_turns_are_tool_messages
 @pytest.mark.parametrize(("objective", "fixture", "start"), [("dpo", "trl_conversational.jsonl", "fresh"),
                                                               ("dpo", "trl_conversational.jsonl", "sft_adapter"),
                                                               ("kto", "kto.jsonl", "fresh")])
+@pytest.mark.slow  # full lane: two DPO/KTO training runs per case
 def test_the_light_reference_switch_trains_to_trls_bytes(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                          monkeypatch: pytest.MonkeyPatch, objective: str,
                                                          fixture: str, start: str) -> None:

@@ -117,7 +117,7 @@ def recorded_calls(trainer, step, record) -> tuple[list, tuple]:
         model.forward = wrapped
 
 
-@pytest.fixture(scope="module", params=family_params())
+@pytest.fixture(scope="module", params=family_params(fast=("qwen3",)))
 def both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("packed_pairs")
     return _trainer(tmp, request.param, True), _trainer(tmp, request.param, False)
@@ -193,12 +193,13 @@ def test_pairs_whose_prompts_differ_are_two_documents() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- KTO's packed rows
-@pytest.fixture(scope="module", params=family_params())
+@pytest.fixture(scope="module", params=family_params(fast=("qwen3",)))
 def kto_both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("packed_kto")
     return _trainer(tmp, request.param, True, "kto"), _trainer(tmp, request.param, False, "kto")
 
 
+@pytest.mark.slow  # full lane: KTO's packed rows against its padded batch (DPO's and ORPO's pairs are the fast lane's)
 def test_packed_kto_rows_give_the_padded_batch_loss_kl_metrics_and_gradients(kto_both) -> None:
     """KTO on packed rows (share_prompts=False): every row one document, no padding; the rows, their KL batch and
     the reference forwards all run packed, and give TRL's padded batch's loss, KL, rewards and LoRA gradients."""
@@ -232,6 +233,7 @@ def _training_step(trainer, batch: dict) -> tuple[float, dict[str, torch.Tensor]
     return float(loss), {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # full lane: a DPO and a KTO training step through the collator
 @pytest.mark.parametrize("objective", ["dpo", "kto"])
 def test_the_collator_packs_each_batch_on_the_host_and_the_step_packs_nothing_more(
         objective: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,12 +277,13 @@ def orpo_loss_and_grads(trainer) -> tuple[float, dict[str, torch.Tensor], dict[s
     return float(loss), grads, metrics
 
 
-@pytest.fixture(scope="module", params=family_params())
+@pytest.fixture(scope="module", params=family_params(fast=("qwen3",)))
 def orpo_both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("packed_orpo")
     return _trainer(tmp, request.param, True, "orpo"), _trainer(tmp, request.param, False, "orpo")
 
 
+@pytest.mark.slow  # full lane: ORPO's packed pairs against its padded batch (DPO's pairs are the fast lane's)
 def test_packed_orpo_pairs_give_the_padded_batch_loss_nll_metrics_and_gradients(orpo_both) -> None:
     """ORPO on packed pairs: one model call through TRL's fused LM head on the packed row (the prompt once, the
     chosen sequence scored whole for the NLL term) gives TRL's padded batch's loss, NLL, odds ratio, rewards,
@@ -312,6 +315,7 @@ def test_the_chosen_sequence_scored_whole_is_orpos_nll_positions() -> None:
     assert whole.rows.tolist() == [0, 0, 0, 1, 1] and whole.cols.tolist() == [0, 1, 2, 2, 3]
 
 
+@pytest.mark.slow  # full lane: an ORPO training step with the table on the host
 def test_packed_orpo_with_the_table_on_the_host_gathers_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the input embedding on the host, ORPO's packed call gathers its rows from the ids packed on the host
     (one gather, no read-back of the ids from the device) and gives the same loss. Qwen3 (untied embedding)."""

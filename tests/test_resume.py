@@ -82,9 +82,12 @@ def test_kill_9_then_rerun_is_byte_identical(uninterrupted: tuple[Path, dict], t
     root = make_root(tmp_path)
     ckpts = root / "outputs/checkpoints"
     kill_after = random.choice([2, 4])  # a random checkpoint, then a random moment in the steps after it
+    delay = random.uniform(0.0, 0.5)
+    # printed before the kill: a failure's captured output names the draw that led to it
+    print(f"drew: SIGKILL {delay:.3f} s after checkpoint-{kill_after} is sealed", flush=True)
     proc = subprocess.Popen(train_cmd(root), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_sealed(ckpts, kill_after, proc)
-    time.sleep(random.uniform(0.0, 0.5))
+    time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"

@@ -10,7 +10,12 @@ a described card drives the CUDA branch."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
@@ -19,10 +24,11 @@ from reprotune.config import CONF_DIR, compose
 from reprotune.errors import ReprotuneError
 from reprotune.sizing import decide as d
 from reprotune.sizing.fit import describe
-from reprotune.sizing.preflight import preflight
-from reprotune.sizing.report import fit_table
-from reprotune.sizing.shape import load_tables, model_shape
+from reprotune.sizing.preflight import preflight, train_shape
+from reprotune.sizing.report import make_plan
+from reprotune.sizing.shape import load_tables
 
+REPO = Path(__file__).resolve().parents[1]
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "run_picks.json").read_text())
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 CARDS = load_tables()["throughput"]["cards"]  # {24: "RTX 4090", ...}
@@ -43,38 +49,65 @@ def _golden_row(pick: d.RunSettings) -> dict:
                                                                 if pick.fallback else None}
 
 
-# every preset in the full lane (make test-all, CI); the fast lane (make test) keeps the 8B Qwen3 and the tiny model
-FAST_MODELS = ("qwen3_8b", "tiny_random")
+def _train_pick(cfg, gpu: str) -> tuple[d.RunSettings | None, str]:
+    """What make train decides on `gpu`: train.train's own call, preflight(cfg, this GPU, train_shape(...)), with
+    a model folder holding no config.json (the presets carry their shape). (settings, "") where it fits; (None,
+    its one-line refusal) where it stops."""
+    stderr = io.StringIO()
+    try:
+        with redirect_stderr(stderr):
+            return preflight(cfg, d.card(gpu), train_shape(cfg, "/nonexistent")), ""
+    except SystemExit as stop:
+        assert stop.code == 2
+        return None, stderr.getvalue().strip()
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora", "dora"])
+# every preset and method in the full lane (make test-all, CI); the fast lane (make test) keeps the 8B Qwen3's
+# QLoRA (each case runs make_plan once per card inside the preflight: ~6 CPU seconds)
+FAST_MODELS = ("qwen3_8b",)
+
+
+@pytest.mark.parametrize("method", ["qlora", pytest.param("lora", marks=pytest.mark.slow),
+                                    pytest.param("dora", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", [m if m in FAST_MODELS else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
-def test_make_plan_and_make_train_pick_the_same_on_every_card(model: str, method: str) -> None:
+def test_make_plan_and_make_train_pick_the_same_on_every_card(model: str, method: str, tmp_path: Path) -> None:
+    """The two entry points, each as its command calls it: make plan's make_plan(cfg) (all `python -m
+    reprotune.plan` computes before it prints and writes it; it describes the cards) and make train's preflight on
+    each card. The plan's row for a card is the setting train takes there, train's outputs/train/plan.json holds
+    the same fit table, and both are the recorded pick."""
     for variant in VARIANTS:
-        cfg = _cfg(model, method, variant)
-        shape = model_shape(cfg.model)
-        table = fit_table(cfg, shape, None, d.configured_settings(cfg))
+        cfg = _cfg(model, method, variant, tmp_path / variant)
+        plan_fit = make_plan(cfg)["fit"]
         for size, gpu in CARDS.items():
-            key = f"{model}/{method}/{variant}/{size}"
-            train = d.decide(cfg, d.card(gpu), shape, None)  # what the preflight decides on that card
-            row = table[f"{size} GB"]
+            key, row = f"{model}/{method}/{variant}/{size}", plan_fit[f"{size} GB"]
+            train, refusal = _train_pick(cfg, gpu)
+            if train is None:  # train stops there; make plan says so and suggests the same overrides
+                assert row["setting"] is None and {"stops": True, "fits_with": row["fits_with"]} == GOLDEN[key], key
+                assert (" ".join(row["overrides"]) in refusal) if row["overrides"] else "nothing fits" in refusal, key
+                continue
             assert _golden_row(train) == GOLDEN[key], key
-            if train.fits:
-                assert row["setting"] == describe(train.planned), key
-                assert (train.per_device_train_batch_size, train.gradient_accumulation_steps,
-                        train.activation_checkpointing) == (train.planned.batch_size, train.planned.grad_accum,
-                                                            train.planned.checkpointing), key
-            else:
-                assert row["setting"] is None and row["fits_with"] == GOLDEN[key]["fits_with"], key
+            assert row["setting"] == describe(train.planned), key
+            assert (train.per_device_train_batch_size, train.gradient_accumulation_steps,
+                    train.activation_checkpointing) == (train.planned.batch_size, train.planned.grad_accum,
+                                                        train.planned.checkpointing), key
+            written = json.loads((Path(cfg.paths.train_dir) / "plan.json").read_text())
+            assert written["fit"] == plan_fit, key
 
 
 def test_the_preflight_takes_the_plans_pick_and_writes_it(tmp_path: Path) -> None:
     """The preflight itself on a described 24 GB card: the 8B QLoRA long-context run is make plan's 24 GB row, and
-    outputs/train/plan.json records that setting; a LoRA that cannot fit stops with the overrides that would."""
+    outputs/train/plan.json records that setting, and so does `python -m reprotune.plan` (make plan) with the same
+    overrides, as its own process; a LoRA that cannot fit stops with the overrides that would."""
     cfg = _cfg("qwen3_8b_random", "qlora", "long", tmp_path)
     run = preflight(cfg, d.card("RTX 4090"), None)
     written = json.loads((tmp_path / "outputs" / "train" / "plan.json").read_text())
     assert describe(run.planned) == GOLDEN["qwen3_8b_random/qlora/long/24"]["pick"] == written["fit"]["24 GB"]["setting"]
+    command = subprocess.run([sys.executable, "-m", "reprotune.plan", "model=qwen3_8b_random", "method=qlora",
+                              "hardware=gpu", "paths.prepared=/nonexistent", f"paths.root={tmp_path}",
+                              *VARIANTS["long"]], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert command.returncode == 0, command.stderr[-2000:]
+    assert json.loads((tmp_path / "outputs" / "plan.json").read_text())["fit"] == written["fit"]
     assert written["settings"]["batch_size"] == run.per_device_train_batch_size
     assert any(r.startswith("plan: ") for r in run.reasons)
     too_long = compose(["model=mistral_7b_random", "method=lora", "hardware=gpu", "paths.prepared=/nonexistent",
@@ -95,6 +128,7 @@ def test_liger_is_planned_only_where_it_runs() -> None:
     assert bare.predicted["peak_gib"] != with_liger.predicted["peak_gib"]
 
 
+@pytest.mark.slow  # full lane: decides 30 runs
 def test_llama_style_norms_run_torchs_fused_kernel_where_liger_runs() -> None:
     """hardware.norm_kernel: auto = torch's fused rms_norm for a preference run's Llama-style norms, with Liger's
     other kernels (a DPO step waits on the host: docs/preference.md), Liger's for SFT and for Gemma's (1 + weight)

@@ -81,6 +81,7 @@ def test_no_secret_in_any_output(tiny_run: tuple[Path, dict]) -> None:
             assert b"wandbFAKEkey0987654321" not in blob, path
 
 
+@pytest.mark.slow  # full lane: two training runs (test_repro_golden's golden bytes are the fast lane's)
 def test_two_runs_give_byte_identical_adapters(tiny_run: tuple[Path, dict], tmp_path: Path) -> None:
     from reprotune.invoices import generate
 
@@ -110,6 +111,7 @@ def test_missing_prepared_data_is_a_clear_error(tmp_path: Path) -> None:
         train(compose([*TINY_TRAIN, f"paths.root={tmp_path}"]))
 
 
+@pytest.mark.slow  # full lane: a QLoRA and a DoRA training run (LoRA's is the fast lane's)
 @pytest.mark.parametrize("method", ["qlora", "dora"])
 def test_other_methods_train(method: str, workspace: tuple[Path, list[str]]) -> None:
     root, overrides = workspace
@@ -172,6 +174,7 @@ def test_base_identity_maps_back_to_the_local_model() -> None:
         resolve_base_identity("random_init:tiny_random@0000000000000000", tiny.paths.model_cache)
 
 
+@pytest.mark.slow  # full lane: two training runs
 def test_hub_preset_from_two_local_copies_gives_identical_adapters(tmp_path: Path) -> None:
     """The README's `model=qwen3_8b model.path=/models/Qwen3-8B`, with the same (tiny) weights kept in two
     different directories: the adapter names the hub id and revision, never the directory, so both runs write

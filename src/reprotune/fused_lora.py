@@ -2,8 +2,8 @@
 
 PEFT computes a LoRA linear layer as the frozen product followed by B's product, a multiply by the scale and an
 add, and its 4-bit layer clones the frozen output first: each of those reads and writes a whole
-[tokens, out_features] tensor, and the backward multiplies the incoming gradient by the scale again. On the
-H200 these element-wise passes were ~14% of an 8B LoRA step's GPU time. `torch.addmm(result, A(x), Bᵀ,
+[tokens, out_features] tensor, and the backward multiplies the incoming gradient by the scale again: a large
+share of an 8B LoRA step's GPU time (docs/measurements/2026-12-01-gpu-fast-path.md). `torch.addmm(result, A(x), Bᵀ,
 alpha=scaling)` is the same sum done by one cuBLAS call that reads `result` in its epilogue; its backward scales
 only the rank-r products. The sum is rounded once instead of twice, so the numbers differ from PEFT's in the last
 bit, not in meaning; runs stay deterministic (same kernels, same order).

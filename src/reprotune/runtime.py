@@ -94,7 +94,7 @@ def local_rank() -> int:
 
 def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False, pairs: bool = False) -> str | None:
     """hardware.attn_implementation, or auto: for packed CUDA runs, torch's FlashAttention varlen kernel where
-    the GPU and torch have it (`varlen`: reprotune.varlen_attention, 1.35x flex attention's speed on the H200),
+    the GPU and torch have it (`varlen`: reprotune.varlen_attention, faster than flex attention),
     else flex attention (it computes only the blocks inside each example). Both backwards are deterministic under
     the default and strict modes (deterministic_kernels: the varlen backward then sums dQ in a fixed order).
     Unpacked: eager under repro=strict on the CPU (the measured deterministic path there), else None, the library's

@@ -98,8 +98,8 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF1
 def steady_rate(marks: list[tuple[int, float, int]], skip_first: int = 2, slow_factor: float = 1.2) -> float | None:
     """Steady tokens/s from (step, time, tokens seen) marks: the first `skip_first` steps are left out, and so is
     any later step whose seconds per token exceed `slow_factor` x the median step's. Why the second rule: on a
-    fresh host compilation and autotuning can spill past the first steps (one 8-step run measured 11.5k tokens/s
-    against 15.0k on the next run); a median-anchored window reports the rate the run settles at, never a rate
+    fresh host compilation and autotuning can spill past the first steps (a first run then reads ~25% slower than
+    the next); a median-anchored window reports the rate the run settles at, never a rate
     above its own median step."""
     steps = [(n1 - n0, t1 - t0) for (_, t0, n0), (_, t1, n1) in zip(marks, marks[1:], strict=False)][skip_first:]
     steps = [(n, t) for n, t in steps if n > 0 and t > 0]

@@ -161,8 +161,8 @@ def apply_liger(model, active: bool, norm: str = "liger") -> None:
 
 def use_torch_rms_norm(model) -> int:
     """Every Llama-style RMSNorm (weight * x / rms(x); Llama, Mistral, Qwen2/3) of the model runs torch's fused
-    rms_norm: one ATen call forward and one backward, where Liger's goes through a Python launcher (~170 us of
-    host time a call on the H200 host, 145 norms a Qwen3-8B forward). Returns how many norms it changed."""
+    rms_norm: one ATen call forward and one backward, where Liger's goes through a Python launcher (host time
+    a call, and a Qwen3-8B forward has 145 norms). Returns how many norms it changed."""
     import types
 
     from torch.nn.functional import rms_norm
@@ -397,7 +397,7 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
     started = time.time()
     # Under bf16 autocast PEFT's cast of every adapter input to the fp32 adapter dtype is undone by autocast at
     # once (bf16 -> fp32 -> bf16 is exact): skipping it computes the same numbers without two copies of each
-    # activation per adapter (16% of the GPU time of an 8B LoRA step on the H200 went to such copies).
+    # activation per adapter (such copies were a large share of an 8B LoRA step's GPU time).
     with (disable_input_dtype_casting(trainer.model, active=run.device == "cuda" and run.dtype != "float32"),
           fused_lora(trainer.model, active=run.fused_lora) as fused_layers,
           merged_head_view(trainer.model),

@@ -4,9 +4,9 @@ The GPU fast path flattens a micro-batch of packed examples into one sequence (T
 which also hands the model each example's boundaries (`cu_seq_lens_q`, `max_length_q`, computed on the CPU).
 `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, FlashAttention 2 kernels, sm80+) attends within each
 example from those boundaries directly: no block mask to build or compile, and grouped-query heads are read as
-they are (transformers' flex path repeats K/V to every query head first). Measured on one H200 on Qwen3-8B's
-attention shapes (32 query / 8 K/V heads of 128, 16,200 packed tokens in 20 examples), forward + backward:
-flex attention 3.91 ms, varlen 2.89 ms (1.35x), outputs and gradients equal within bf16 rounding.
+they are (transformers' flex path repeats K/V to every query head first). On Qwen3-8B's attention shapes it runs
+forward + backward in about three quarters of flex attention's time, outputs and gradients equal within bf16
+rounding (docs/measurements/2026-12-02-gpu-varlen-attention.md).
 
 Its backward accumulates dQ with atomics unless torch's deterministic algorithms are on; then torch passes
 `deterministic` to the kernel, which sums dQ per split in a fixed order (reprotune.runtime.deterministic_kernels

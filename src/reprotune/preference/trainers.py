@@ -184,9 +184,9 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
         keys["accelerator_config"] = {**dict(keys.get("accelerator_config") or {}), "non_blocking": True}
     if keys["activation_checkpointing"]:
         # torch's reentrant checkpoint unless train.activation_checkpointing_kwargs.use_reentrant says otherwise:
-        # the same numbers, and on the H200 (8B LoRA DPO, 4 pairs a micro-step) 7,528-8,670 tokens/s against
-        # 5,958 with the non-reentrant one transformers defaults to (its saved-tensor hooks cost host time, and a
-        # DPO step is bound by host time at this size). Kept across the reference forward by
+        # the same numbers, and faster than the non-reentrant one transformers defaults to (its saved-tensor hooks
+        # cost host time, and a DPO step is bound by host time at this size; docs/measurements/
+        # 2026-12-03-dpo-step-time-h200.md). Kept across the reference forward by
         # reference_keeps_checkpointing.
         keys["activation_checkpointing_kwargs"] = {"use_reentrant": True, **keys["activation_checkpointing_kwargs"]}
     if "activation_offloading" not in skip:  # DPO's and KTO's configs have TRL's offloading switch, ORPO's not

@@ -165,8 +165,8 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
             raise ReprotuneError(f"hardware.tiled_mlp=true: not with {packed} (the tiled MLP's recompute fails "
                                  "there); leave it auto, or set train.packing=false")
         tiled = False
-        # offloading, measured on the H200 (8B LoRA, 8 pairs a micro-step): 4,133 tokens/s against 8,227 with 4
-        # pairs kept on the GPU; every micro-step's row has another length, so its pinned host buffers are new
+        # offloading measured at half the speed of fewer pairs kept on the GPU (docs/measurements/
+        # 2026-12-03-dpo-step-time-h200.md): every micro-step's row has another length, so its pinned host buffers are new
         # allocations each time. Only when asked for.
         offload = False if offload is None else offload
     elif is_preference(cfg):
@@ -298,11 +298,10 @@ def model_family(cfg: DictConfig, shape: Shape | None = None) -> str:
 
 def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     """hardware.norm_kernel: which kernel the RMSNorms run when Liger's kernels are on (off: the model's own).
-    auto: torch's fused rms_norm for a preference run's Llama-style norms, Liger's otherwise. Measured on the
-    H200 (docs/preference.md): a packed LoRA DPO step at 4 pairs waits on the host, and torch's call costs ~130 us
-    of host time forward and backward where Liger's launcher costs ~420 us (DPO 8,513-9,053 tokens/s against
-    7,148 in the same invocation); an SFT step of 16 rows keeps the GPU busy and is no faster with it (15,514 and
-    14,932 against Liger's 15,769). Gemma's (1 + weight) norm has no torch kernel as it is: always Liger's."""
+    auto: torch's fused rms_norm for a preference run's Llama-style norms, Liger's otherwise. Why: a packed DPO
+    step waits on the host, and torch's call costs about a third of the host time of Liger's launcher; an SFT step
+    of 16 rows keeps the GPU busy and is no faster with it (docs/measurements/2026-12-03-dpo-fused-rmsnorm-h200.md).
+    Gemma's (1 + weight) norm has no torch kernel as it is: always Liger's."""
     if not liger:
         return "eager"
     chosen = cfg.hardware.get("norm_kernel", "auto")

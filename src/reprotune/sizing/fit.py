@@ -12,16 +12,15 @@ from reprotune.sizing.throughput import model_tokens_per_second
 
 PARTIAL_EVERY = (8, 6, 4, 3, 2)  # every_n_layers tried between no checkpointing and all layers
 # The MLP tiles of the long-context fallback (reprotune.tiled_mlp), largest first: a larger tile runs faster (fewer
-# recomputed pieces: 8B QLoRA at 96k tokens on the H200, 4,096-token tiles 1,969 tok/s, 8,192 2,000, 16,384 2,012),
-# a smaller one keeps less (Liger's and DeepSpeed's TiledMLP default is about the hidden size, 4,096 for an 8B).
+# recomputed pieces; measured: docs/gpu.md, "Long context on one card"), a smaller one keeps less (Liger's and DeepSpeed's TiledMLP default is about the hidden size, 4,096 for an 8B).
 # The fit weighs both; hardware.tiled_mlp_tokens names one.
 TILE_SIZES = (16384, 4096)
 TILE_TOKENS = TILE_SIZES[0]  # hardware.tiled_mlp=true without hardware.tiled_mlp_tokens
 
 
 def long_context_options(s: Settings) -> list[Settings]:
-    """Every layer checkpointed, then the layer inputs offloaded to host memory (no cost measured: 64k tokens,
-    8B QLoRA, H200: 2,969 tok/s without, 2,955 with), then also the MLP over tiles (one more MLP forward per
+    """Every layer checkpointed, then the layer inputs offloaded to host memory (no measurable cost on the GPU:
+    docs/gpu.md, "Long context on one card"), then also the MLP over tiles (one more MLP forward per
     layer in the backward), large tiles before small: smallest last."""
     full = replace(s, checkpointing=True, ckpt_every=1)
     # a tile cuts the sequence axis: the one flattened row of a packed micro-step, each row of a padded one; a
@@ -79,8 +78,7 @@ def candidate_settings(s: Settings) -> list[Settings]:
     micro-batches (same effective batch), then QLoRA for a 16-bit LoRA."""
     plain = replace(s, offload=False, tiled_mlp=0)
     ladder = [replace(plain, checkpointing=False)]
-    # some layers before all of them (8B QLoRA, 4 rows, H200: none 10,282 tok/s, every 4th layer 7,753,
-    # every layer 6,376)
+    # some layers before all of them: each recomputed layer costs time (the throughput model, docs/plan.md)
     ladder += [replace(plain, checkpointing=True, ckpt_every=n) for n in PARTIAL_EVERY]
     ladder += long_context_options(plain)  # every layer, then offloaded, then the tiled MLP (issue #27)
     # KTO's KL term needs two rows or more (TRL 1.16's KTOTrainer refuses one)
