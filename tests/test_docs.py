@@ -13,8 +13,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 SESSION = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(st|nd|rd|th)|this|"
                      r"that|previous|last|next|earlier|filing)[ -]sessions?\b", re.IGNORECASE)
-# pages whose owner has not yet removed the wording (issue #52); each entry names the phrase that is left
-SESSION_PENDING = {"docs/reproducibility.md": "Not checked this session"}
 
 
 def _links(page: Path) -> list[str]:
@@ -52,7 +50,7 @@ def test_no_page_speaks_of_the_session_that_wrote_it() -> None:
     for page in PAGES:
         rel = page.relative_to(ROOT).as_posix()
         for n, line in enumerate(page.read_text().splitlines(), 1):
-            if SESSION.search(line) and SESSION_PENDING.get(rel, "\0") not in line:
+            if SESSION.search(line):
                 found.append(f"{rel}:{n}: {SESSION.search(line).group(0)}")
     assert not found, found
 
