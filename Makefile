@@ -50,7 +50,7 @@ lock: ## Regenerate lockfiles/ from pyproject.toml (needs uv)
 
 .PHONY: data
 data: venv ## Get the raw dataset: dvc pull if a remote has it, else regenerate; then verify the DVC hash
-	@VENV=$(VENV) bash scripts/get_data.sh
+	@VENV=$(VENV) ARGS='$(subst ','\'',$(ARGS))' OWN_DATA_OK=$(if $(filter test%,$(MAKECMDGOALS)),0,1) bash scripts/get_data.sh
 
 # Your own data, named once: conf/project/current.yaml, which every target (and dvc exp run) composes; ARGS still win
 DATA ?=

@@ -9,6 +9,18 @@ PY=${PY:-$VENV/bin/python}
 
 up_to_date() { "$DVC" status data.dvc 2>/dev/null | grep -q "up to date"; }
 
+# A stage target of a project that names its own data (make init's conf/project/current.yaml, or data.path=... in
+# ARGS) reads data.path, not the built-in invoices (prepare's DVC dependency is data.path itself): nothing to get,
+# and nothing to print. The test lanes (OWN_DATA_OK=0) still need data/raw: the suite reads the built-in data.
+own_data() {
+  [[ " ${ARGS:-} " == *" data.path="* ]] && return 0
+  [ -f conf/project/current.yaml ] || return 1
+  "$PY" -c 'import sys, yaml
+data = (yaml.safe_load(open(sys.argv[1])) or {}).get("data") or {}
+sys.exit(0 if data.get("path") else 1)' conf/project/current.yaml
+}
+if [ "${OWN_DATA_OK:-0}" = 1 ] && own_data; then exit 0; fi
+
 if [ -d data/raw ] && up_to_date; then exit 0; fi
 if [ -n "$("$DVC" remote list 2>/dev/null)" ] && "$DVC" pull -q data.dvc 2>/dev/null && up_to_date; then
   echo "data: pulled data/raw from the DVC remote"; exit 0

@@ -190,3 +190,31 @@ def test_relay_shows_a_partial_line_at_once_and_ends_it_with_its_own_newline() -
     out = io.BytesIO()
     Relay(Chunks([b"+ -m reprotune.train", b"\n", b"next line\n", b"50%|##"]), out)()
     assert out.getvalue() == b"+ -m reprotune.train\nnext line\n50%|##\n"
+
+
+def _get_data(root: Path, own_data_ok: str, args: str = "") -> subprocess.CompletedProcess:
+    """scripts/get_data.sh in a copy of the checkout's layout under root (no DVC: the built-in path fails at it)."""
+    (root / "scripts").mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "scripts/get_data.sh", root / "scripts/get_data.sh")
+    env = {**os.environ, "PY": sys.executable, "DVC": "/bin/false", "OWN_DATA_OK": own_data_ok, "ARGS": args,
+           "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run(["bash", "scripts/get_data.sh"], cwd=root, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("how", ["project file", "ARGS"])
+def test_a_stage_of_an_own_data_project_does_not_generate_the_builtin_invoices(tmp_path: Path, how: str) -> None:
+    if how == "project file":
+        (tmp_path / "conf/project").mkdir(parents=True)
+        (tmp_path / "conf/project/current.yaml").write_text("data:\n  path: /x/dates.jsonl\n  name: dates\n")
+    args = "train.max_steps=3 data.path=/x/dates.jsonl" if how == "ARGS" else "train.max_steps=3"
+    done = _get_data(tmp_path, "1", args)
+    assert done.returncode == 0 and done.stdout == "", (done.stdout, done.stderr)
+    assert not (tmp_path / "data/raw").exists()
+    # control: the test lanes (OWN_DATA_OK=0) still regenerate the built-in data (then stop at the missing data.dvc)
+    _get_data(tmp_path, "0", args)
+    assert (tmp_path / "data/raw/invoices.jsonl").is_file()
+
+
+def test_a_stage_of_the_builtin_project_generates_the_invoices(tmp_path: Path) -> None:
+    _get_data(tmp_path, "1", "train.max_steps=3")
+    assert (tmp_path / "data/raw/invoices.jsonl").is_file()
