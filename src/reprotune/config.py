@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from reprotune import schema
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text
 
@@ -147,6 +149,26 @@ def type_problems(overrides: list[str], base: dict, composed: dict) -> list[str]
     return problems
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """Every enumerated key's value one of those it takes (reprotune.schema.CHOICES), else one line each naming
+    the key and the allowed values."""
+    if problems := schema.problems(cfg):
+        raise ReprotuneError(problems)
+
+
+# conf/config.yaml's and every params file's hydra.callbacks: the check runs before any stage's main reads cfg
+SETTINGS_CALLBACK = {"check_settings": {"_target_": "reprotune.config.CheckSettings"}}
+
+
+class CheckSettings(Callback):
+    """Hydra's on_job_start hook: check_settings on the composed config, before the stage's main runs; a bad
+    value is its one line and exit status 2 (errors.user_errors), from every `python -m reprotune.<stage>`."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with user_errors():
+            check_settings(config)
+
+
 def sanitise_name(text: str) -> str:
     """A name fit for a model id, an Ollama tag and a file name: lower case, [a-z0-9._-], no leading dot."""
     name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
@@ -188,6 +210,7 @@ def compose_checked(overrides: list[str]) -> DictConfig:
         raise ReprotuneError(f"settings: {str(err).splitlines()[0]}") from None
     if problems := type_problems(overrides, base, resolved):
         raise ReprotuneError(problems)
+    check_settings(composed)
     if problems := secret_problems([f"{k}=" for k in _keys(resolved) if not k.startswith("paths.")]):
         raise ReprotuneError(problems)  # a credential written into conf/ itself
     return composed
@@ -208,7 +231,8 @@ def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = N
     composed = composed if composed is not None else compose_checked(overrides)
     cfg = params_values(composed)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
-           "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
+           "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False},
+                     "callbacks": SETTINGS_CALLBACK}, **cfg}
     header = PARAMS_HEADER if out.name != PREF_PARAMS_FILE else PREF_PARAMS_HEADER
     atomic_write_text(out, header + OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
@@ -220,8 +244,7 @@ PREF_PARAMS_HEADER = """\
 # the objective: the preference stages (prepare_pairs, train_pref, eval_pref) run '--config-name params_pref'.
 # Every other setting is params.yaml's, so the preference run starts from the SFT run of the same settings.
 """
-# reprotune.preference's objectives (here, so that config, which every stage imports, imports no preference code)
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto")
+PREFERENCE_OBJECTIVES = schema.PREFERENCE_OBJECTIVES
 DEFAULT_PREFERENCE = "objective=dpo"  # what make repro (and a fresh clone's dvc repro) runs after SFT
 
 

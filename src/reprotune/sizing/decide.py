@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune import distributed, varlen_attention
+from reprotune import distributed, schema, varlen_attention
 from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
 from reprotune.models import random_init_architecture
@@ -149,11 +149,11 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     """hardware.activation_offloading and hardware.tiled_mlp: True/False when set, None when auto (the fit
     decides on CUDA; off elsewhere). TRL's train.activation_offloading, passed through by hand, counts as set."""
     h = cfg.hardware
-    offload = h.get("activation_offloading", "auto")
+    offload = h.activation_offloading
     if cfg.train.get("activation_offloading") is not None:
         offload = bool(cfg.train.activation_offloading)
     offload = None if _auto(offload) else bool(offload)
-    tiled = h.get("tiled_mlp", "auto")
+    tiled = h.tiled_mlp
     tiled = None if _auto(tiled) else bool(tiled)
     if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
         # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does
@@ -216,7 +216,7 @@ def optimizer(cfg: DictConfig, device: str) -> tuple[str, str | None]:
 
 def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     h, cuda = cfg.hardware, hw.device == "cuda"
-    fast = cuda if _auto(h.get("fast_path", "auto")) else bool(h.fast_path)
+    fast = cuda if _auto(h.fast_path) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     # DPO's packed pairs compute what TRL's padded pairs do (tests/test_preference_packed.py) with each prompt once:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
@@ -234,7 +234,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
         reasons.append(f"{name} rows packed: no padding, each row one document (reprotune.preference.packed)")
     attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
     reasons.append(f"attention={attn or 'sdpa'}")
-    liger = h.get("liger_kernel", "auto")
+    liger = h.liger_kernel
     if _auto(liger):
         liger = fast and cuda and hw.liger_installed
         if fast and cuda and not liger:
@@ -245,7 +245,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
                        "host time, and these steps wait on the host)")
     if attn == "flex_attention":
         reasons.append("compile: dynamic shapes from the first call")
-    fused = fast and cuda if _auto(h.get("fused_lora", "auto")) else bool(h.fused_lora)
+    fused = fast and cuda if _auto(h.fused_lora) else bool(h.fused_lora)
     if fused:
         reasons.append("LoRA scale and add fused into B's matrix product")
     optim, why = optimizer(cfg, hw.device)
@@ -268,7 +268,7 @@ def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
     trainer (the collator holds the model); where processes do not start by fork, none."""
     import multiprocessing
 
-    chosen = cfg.hardware.get("dataloader_workers", "auto")
+    chosen = cfg.hardware.dataloader_workers
     if _auto(chosen):
         chosen = int(device == "cuda" and packing and is_preference(cfg))
     chosen = int(chosen)
@@ -277,7 +277,7 @@ def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
     return chosen if multiprocessing.get_context().get_start_method() == "fork" else 0
 
 
-NORM_KERNELS = ("liger", "torch")
+NORM_KERNELS = schema.NORM_KERNELS
 # The Llama-style families: their RMSNorm is weight * x / rms (torch's fused rms_norm as it is) and their input
 # embedding a plain torch.nn.Embedding (a lookup the host can do). Gemma's norm is (1 + weight) * x / rms and its
 # embedding scales its output: neither holds.
@@ -305,7 +305,7 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     14,932 against Liger's 15,769). Gemma's (1 + weight) norm has no torch kernel as it is: always Liger's."""
     if not liger:
         return "eager"
-    chosen = cfg.hardware.get("norm_kernel", "auto")
+    chosen = cfg.hardware.norm_kernel
     chosen = ("torch" if is_preference(cfg) else "liger") if _auto(chosen) else str(chosen)
     if chosen not in NORM_KERNELS:
         raise ReprotuneError(f"hardware.norm_kernel: {chosen!r} is not one of auto, {', '.join(NORM_KERNELS)}")
@@ -320,7 +320,7 @@ def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool
     auto considers it for preference runs only, where it was measured (bench/dpo_recipe.py, docs/preference.md);
     an SFT run's picks stay as recorded (tests/golden/run_picks.json) unless it is set true. Only a GPU run's
     untied, frozen, plain input embedding can stay on the host; set true otherwise, one line."""
-    value = cfg.hardware.get("embedding_on_host", "auto")
+    value = cfg.hardware.embedding_on_host
     if (not _auto(value) and not bool(value)) or (_auto(value) and not is_preference(cfg)):
         return False
     why = _why_embedding_stays(cfg, hw, shape)
@@ -450,7 +450,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
                     tiled_mlp=tile_tokens(cfg) if tiled else 0,
-                    host_embedding=_forced_on(cfg.hardware.get("embedding_on_host", "auto")), **padded)
+                    host_embedding=_forced_on(cfg.hardware.embedding_on_host), **padded)
 
 
 def _forced_on(value: Any) -> bool:

@@ -283,7 +283,7 @@ QLORA_BUDGET_GIB = 22.0
 def memory_budget(cfg: DictConfig, free_bytes: float) -> float:
     """hardware.memory_budget_gib (what the run may take of the card: reserved + CUDA context), or auto:
     QLORA_BUDGET_GIB for 4-bit runs, else 90% of the GPU's free memory."""
-    budget = cfg.hardware.get("memory_budget_gib", "auto")
+    budget = cfg.hardware.memory_budget_gib
     if budget is None or budget == "auto":
         return QLORA_BUDGET_GIB * GIB if quantization(cfg) else 0.9 * free_bytes
     return float(budget) * GIB
