@@ -34,6 +34,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from reprotune import metrics as mx
+from reprotune import varlen_attention
 from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text, fresh_dir, iter_jsonl, jsonl_text, replace_all, save_figure
@@ -186,7 +187,9 @@ def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     # the adapter directory carries the exact tokenizer and chat template the adapter was trained with
     tokenizer = load_tokenizer(adapter_dir)
-    base = load_base_model(model_dir, cfg, device, dtype, attention(cfg, packing=False, device=device))
+    attn = attention(cfg, packing=False, device=device)
+    varlen_attention.register_if_chosen(attn)  # only when hardware.attn_implementation names it
+    base = load_base_model(model_dir, cfg, device, dtype, attn)
     if not quantization(cfg):
         base = base.to(device)
     model = PeftModel.from_pretrained(base, adapter_dir)

@@ -31,7 +31,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune import checkpoints, distributed, speed
+from reprotune import checkpoints, distributed, speed, varlen_attention
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
@@ -56,8 +56,9 @@ from reprotune.preference.trainers import (
     trl_classes,
     with_init_adapter,
 )
+from reprotune.run_settings import RunSettings
 from reprotune.runtime import resolve_device, set_reproducibility
-from reprotune.sizing.decide import RunSettings, detect
+from reprotune.sizing.decide import detect
 from reprotune.sizing.preflight import preflight, train_shape
 from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
 
@@ -524,6 +525,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
     register_pair_attention(run.attn_implementation)  # DPO's packed pairs: transformers checks the name at load
+    varlen_attention.register_if_chosen(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if is_preference(cfg):  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg))

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune import distributed
-from reprotune.sizing.decide import RunSettings
+from reprotune.run_settings import RunSettings
 
 TRAIN_OWN = ("run",)  # reprotune's own keys in the train group; every other key is the library's
 

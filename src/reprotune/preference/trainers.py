@@ -34,8 +34,8 @@ from reprotune.config import library_keys
 from reprotune.errors import ReprotuneError
 from reprotune.io import iter_jsonl
 from reprotune.preference import WITH_REFERENCE, objective_name
+from reprotune.run_settings import RunSettings
 from reprotune.schema import OBJECTIVES
-from reprotune.sizing.decide import RunSettings
 from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
 
 OBJECTIVE_OWN = ("name", "init_adapter")  # reprotune's own keys in the objective group

@@ -18,7 +18,7 @@ No torch, except in detect().
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from reprotune.preference import (
     is_preference,
     objective_name,
 )
+from reprotune.run_settings import RunSettings
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import (
@@ -102,43 +103,6 @@ def host_available_bytes(processes: int = 1) -> float | None:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024 / max(1, processes)
     return None
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """How a run trains; `reasons` says why, in the order decided."""
-    method: str
-    device: str
-    dtype: str
-    packing: bool
-    attn_implementation: str | None  # None: the model's default (SDPA)
-    liger: bool
-    norm_kernel: str                 # the RMSNorm kernel: liger | torch (torch's fused rms_norm) | eager (the model's)
-    fused_lora: bool                 # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
-    optim: str                       # transformers' optimizer name (train.optim, or its CPU replacement)
-    dynamic_shapes: bool             # torch.compile traces symbolic sequence lengths from the first call
-    activation_checkpointing: bool
-    checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
-    activation_offloading: bool      # TRL's: the checkpointed layer inputs wait in pinned host memory
-    tiled_mlp_tokens: int            # the MLP over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
-    embedding_on_host: bool          # the frozen input embedding stays in host memory (reprotune.host_embedding)
-    dataloader_workers: int          # processes that collate the batches (0: the training process)
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int  # of one process keeping the global batch alone (the fitted value)
-    world_size: int
-    strategy: str                    # none | ddp | fsdp2
-    process_accumulation: int        # what each of world_size processes accumulates
-    global_batch: str
-    budget_bytes: float | None       # what the run may take of the GPU (None: no GPU)
-    planned: Settings | None         # the memory model's view of this run (None: shape unknown)
-    predicted: dict[str, Any] | None  # its predicted memory on this hardware (CUDA only)
-    fits: bool                       # the predicted need fits the free memory (always true off CUDA)
-    fallback: Settings | None        # what would fit this hardware when the run does not
-    fallback_card_gib: float | None  # and what it would take of the card
-    reasons: tuple[str, ...]
-
-    def as_record(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _auto(value: Any) -> bool:
