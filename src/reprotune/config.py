@@ -42,10 +42,16 @@ def compose_argv(argv: list[str]) -> DictConfig:
     return compose(overrides)
 
 
-def library_keys(node: DictConfig, own: tuple[str, ...]) -> dict[str, Any]:
-    """A config group as keyword arguments for the library it configures (SFTConfig, LoraConfig,
-    BitsAndBytesConfig): every key but reprotune's own, resolved, passed through unchanged."""
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in own}
+# reprotune's own keys in the groups handed whole to a library (train/: SFTConfig or the objective's TRL config;
+# method/: peft.LoraConfig; objective/: DPOConfig, ORPOConfig, KTOConfig): every other key is the library's.
+OWN_KEYS: dict[str, tuple[str, ...]] = {"train": ("run",), "method": ("name", "quantization"),
+                                        "objective": ("name", "init_adapter")}
+
+
+def library_keys(cfg: DictConfig, group: str) -> dict[str, Any]:
+    """A config group as keyword arguments for the library it configures: every key but reprotune's own
+    (OWN_KEYS), resolved, passed through unchanged."""
+    return {k: v for k, v in OmegaConf.to_container(cfg[group], resolve=True).items() if k not in OWN_KEYS[group]}
 
 
 def quantization(cfg: DictConfig) -> dict[str, Any] | None:
@@ -290,7 +296,7 @@ if __name__ == "__main__":
 
     with user_errors():  # both chains' files (make params)
         dump_chain_params(sys.argv[1:])
-    print("wrote params.yaml, params_pref.yaml")
+    print(f"wrote {PARAMS_FILE}, {PREF_PARAMS_FILE}")
 
 
 def every_n_layers(cfg: DictConfig) -> int:

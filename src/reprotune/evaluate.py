@@ -687,15 +687,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.eval_dir)
     root = Path(cfg.paths.root)
     record = mf.stage_record("eval", cfg, out_dir / "manifest.json", **{
-        "seeds": {"seed": int(cfg.seed), "repro": cfg.repro},
+        "seeds": mf.seeds_record(cfg),
         "device": device,
         "dtype": dtype,
         "batch_size": batch_size,
         "inputs": {"holdout": {**mf.path_record(holdout, root), "examples": len(examples)},
                    "adapter": mf.path_record(Path(cfg.paths.adapter), root),
-                   # outside the run (a shared cache): an absolute path
-                   "base_model": mf.path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
-                   else {"path": model_dir, "sha256": None}},
+                   "base_model": mf.base_model_record(model_dir)},
         "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
         **({"task_pass": note} if note else {}),
         "timing": {"wall_seconds": round(time.time() - started, 2),

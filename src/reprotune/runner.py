@@ -303,13 +303,13 @@ def check_data(stage: str, configs: dict[str, tuple[list[str], Any]]) -> None:
     (DVC would stop on the missing dependency with `[Errno 2] ...` and no setting named)."""
     import yaml
 
-    from reprotune.config import PARAMS_FILE
+    from reprotune.config import PARAMS_FILE, PREF_PARAMS_FILE
     from reprotune.project import upstream
 
     stages = yaml.safe_load(DVC_YAML.read_text())["stages"]
     chain = set(stages) if stage == "all" else upstream(stage, stages) | {stage}
     for name, key in (("prepare", "data.path"), ("prepare_pairs", "data.preference.path")):
-        file = PARAMS_FILE if name == "prepare" else "params_pref.yaml"
+        file = PARAMS_FILE if name == "prepare" else PREF_PARAMS_FILE
         if name not in chain or file not in configs:
             continue
         from omegaconf import OmegaConf

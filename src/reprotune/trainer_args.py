@@ -15,8 +15,6 @@ from omegaconf import DictConfig
 from reprotune import distributed
 from reprotune.run_settings import RunSettings
 
-TRAIN_OWN = ("run",)  # reprotune's own keys in the train group; every other key is the library's
-
 
 def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, Any]:
     """train.activation_checkpointing_kwargs with the fitted every_n_layers (some layers checkpointed, not all)."""

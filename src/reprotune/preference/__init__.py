@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from reprotune.config import PREFERENCE_OBJECTIVES
+from reprotune.config import PARAMS_FILE, PREF_PARAMS_FILE, PREFERENCE_OBJECTIVES
 
 # objectives with a reference model (the implicit reward is log pi/pi_ref); ORPO has none
 WITH_REFERENCE = ("dpo", "kto")
@@ -26,7 +26,7 @@ PAIRED_OBJECTIVES = ("dpo", "orpo")
 # the plan reads it: reprotune.sizing.draws)
 PAIR_LENGTHS_FILE = "train_lengths.json"
 # the two composed configs DVC's stages run with (reprotune.config.dump_chain_params writes both)
-SFT_PARAMS, PREF_PARAMS = "params", "params_pref"
+SFT_PARAMS, PREF_PARAMS = PARAMS_FILE.removesuffix(".yaml"), PREF_PARAMS_FILE.removesuffix(".yaml")  # Hydra names
 
 
 def objective_name(cfg: Any) -> str:

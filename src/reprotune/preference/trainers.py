@@ -36,9 +36,7 @@ from reprotune.io import iter_jsonl
 from reprotune.preference import WITH_REFERENCE, objective_name
 from reprotune.run_settings import RunSettings
 from reprotune.schema import OBJECTIVES
-from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
-
-OBJECTIVE_OWN = ("name", "init_adapter")  # reprotune's own keys in the objective group
+from reprotune.trainer_args import guarantee_keys
 
 
 def trl_classes(name: str) -> tuple[type, type]:
@@ -183,8 +181,8 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
     _, config_class = trl_classes(objective_name(cfg))
     skip = sft_only_keys(config_class)
-    keys = {k: v for k, v in library_keys(cfg.train, TRAIN_OWN).items() if k not in skip}
-    own = library_keys(cfg.objective, OBJECTIVE_OWN)
+    keys = {k: v for k, v in library_keys(cfg, "train").items() if k not in skip}
+    own = library_keys(cfg, "objective")
     if won := objective_wins(keys, own):
         logging.getLogger("reprotune.train").info("%s: the objective's keys win (docs/config.md)", ", ".join(won))
     keys.update(own)

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from reprotune import distributed, schema, varlen_attention
 from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
+from reprotune.families import LLAMA_STYLE
 from reprotune.models import random_init_architecture
 from reprotune.preference import (
     PACKED_OBJECTIVES,
@@ -242,10 +243,7 @@ def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
 
 
 NORM_KERNELS = schema.NORM_KERNELS
-# The Llama-style families: their RMSNorm is weight * x / rms (torch's fused rms_norm as it is) and their input
-# embedding a plain torch.nn.Embedding (a lookup the host can do). Gemma's norm is (1 + weight) * x / rms and its
-# embedding scales its output: neither holds.
-LLAMA_STYLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_STYLE_FAMILIES = tuple(LLAMA_STYLE)  # reprotune.families: why these
 
 
 def model_family(cfg: DictConfig, shape: Shape | None = None) -> str:
