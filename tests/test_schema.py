@@ -20,6 +20,7 @@ from reprotune.errors import ReprotuneError
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECTIVES = sorted(p.stem for p in (CONF_DIR / "objective").glob("*.yaml"))
+OBJECTIVES_IN_CONF = OBJECTIVES
 
 
 def test_every_key_of_the_table_is_a_setting() -> None:
@@ -89,3 +90,19 @@ def test_a_stage_run_from_a_params_file_is_checked_first(tmp_path: Path) -> None
     proc = _run(["reprotune.prepare", "--config-dir", ".", "--config-name", "params", "hardware.device=cpu"], tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == ["hardware.norm_kernel: 'ligr' is not one of auto, liger, torch"]
+
+
+def test_the_objective_registry_is_the_one_list() -> None:
+    """reprotune.objectives: one entry per conf/objective/*.yaml and per schema name; the sets the code used to
+    spell out by name (reference, packed, paired) are the registry's properties."""
+    from reprotune.objectives import OBJECTIVES, objective
+    from reprotune.preference import PACKED_OBJECTIVES, PAIRED_OBJECTIVES, WITH_REFERENCE
+
+    assert tuple(OBJECTIVES) == schema.OBJECTIVES and set(OBJECTIVES) == set(OBJECTIVES_IN_CONF)
+    assert (set(WITH_REFERENCE), set(PACKED_OBJECTIVES), set(PAIRED_OBJECTIVES)) == (
+        {"dpo", "kto"}, {"dpo", "kto", "orpo"}, {"dpo", "orpo"})
+    for name in OBJECTIVES_IN_CONF:
+        cfg = compose([f"objective={name}"])
+        assert objective(cfg).name == name and objective(cfg).preference == (name != "sft")
+    with pytest.raises(ReprotuneError, match=r"^objective.name: 'ppo' is not one of sft, dpo, orpo, kto$"):
+        objective(OmegaConf.create({"objective": {"name": "ppo"}}))

@@ -182,6 +182,13 @@ def use_torch_rms_norm(model) -> int:
 LLAMA_STYLE_NORMS = frozenset(LLAMA_STYLE.values())  # the norms of reprotune.families' Llama-style table
 
 
+def register_attention(attn_implementation: str | None) -> None:
+    """reprotune's own attention kernels, registered by the stage that runs them before the model loads
+    (transformers checks the name then): the varlen kernel, and DPO's packed pairs' kernels."""
+    varlen_attention.register_if_chosen(attn_implementation)
+    register_pair_attention(attn_implementation)
+
+
 def mean_example_tokens(dataset, n_examples: int) -> float:
     """Mean tokens per training example (packed rows hold several; a preference pair is two sequences)."""
     total = sum(len(ids) for ids in dataset["input_ids"]) if "input_ids" in dataset.column_names \
@@ -521,8 +528,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
-    register_pair_attention(run.attn_implementation)  # DPO's packed pairs: transformers checks the name at load
-    varlen_attention.register_if_chosen(run.attn_implementation)
+    register_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if is_preference(cfg):  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg))

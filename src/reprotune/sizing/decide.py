@@ -29,13 +29,7 @@ from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
 from reprotune.families import LLAMA_STYLE
 from reprotune.models import random_init_architecture
-from reprotune.preference import (
-    PACKED_OBJECTIVES,
-    PAIRED_OBJECTIVES,
-    WITH_REFERENCE,
-    is_preference,
-    objective_name,
-)
+from reprotune.objectives import objective
 from reprotune.run_settings import RunSettings
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
@@ -120,21 +114,20 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     offload = None if _auto(offload) else bool(offload)
     tiled = h.tiled_mlp
     tiled = None if _auto(tiled) else bool(tiled)
-    if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
+    obj = objective(cfg)
+    if obj.packs and cfg.train.get("packing") is not False:
         # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does
         # not match its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
         # tokens); never picked, refused when forced
         if tiled:
-            packed = ("KTO's packed rows" if objective_name(cfg) == "kto"
-                      else f"{objective_name(cfg).upper()}'s packed pairs")
-            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {packed} (the tiled MLP's recompute fails "
+            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {obj.name.upper()}'s packed {obj.unit} (the tiled MLP's recompute fails "
                                  "there); leave it auto, or set train.packing=false")
         tiled = False
         # offloading, measured on the H200 (8B LoRA, 8 pairs a micro-step): 4,133 tokens/s against 8,227 with 4
         # pairs kept on the GPU; every micro-step's row has another length, so its pinned host buffers are new
         # allocations each time. Only when asked for.
         offload = False if offload is None else offload
-    elif is_preference(cfg):
+    elif obj.preference:
         # padded pairs (unpacked DPO, ORPO and KTO): neither has run on a GPU with TRL's preference trainers (packed
         # DPO pairs broke the tiled MLP's recompute; ORPOConfig has no offloading switch); only when asked for
         tiled = False if tiled is None else tiled
@@ -187,17 +180,11 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
     # KTO's packed rows and ORPO's packed pairs only where the fast path is (the CPU keeps TRL's padded batch, and
     # its bytes)
-    name = objective_name(cfg)
-    dpo = is_preference(cfg) and name == "dpo"
-    packing = (fast or dpo) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-    if dpo and packing:
-        reasons.append("pairs packed: no padding, each prompt computed once (reprotune.preference.packed)")
-    elif is_preference(cfg) and packing and name == "orpo":
-        reasons.append("orpo pairs packed: no padding, each prompt computed once, the chosen sequence scored whole "
-                       "through TRL's fused LM head (reprotune.preference.packed)")
-    elif is_preference(cfg) and packing:
-        reasons.append(f"{name} rows packed: no padding, each row one document (reprotune.preference.packed)")
-    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
+    obj = objective(cfg)
+    packing = (fast or obj.packs_on_cpu) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
+    if obj.packs and packing:
+        reasons.append(obj.packed_reason)
+    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=obj.preference)
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.liger_kernel
     if _auto(liger):
@@ -235,7 +222,7 @@ def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
 
     chosen = cfg.hardware.dataloader_workers
     if _auto(chosen):
-        chosen = int(device == "cuda" and packing and is_preference(cfg))
+        chosen = int(device == "cuda" and packing and objective(cfg).preference)
     chosen = int(chosen)
     if chosen < 0:
         raise ReprotuneError(f"hardware.dataloader_workers: {chosen} is negative (auto, 0 or a number of processes)")
@@ -268,7 +255,7 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     if not liger:
         return "eager"
     chosen = cfg.hardware.norm_kernel
-    chosen = ("torch" if is_preference(cfg) else "liger") if _auto(chosen) else str(chosen)
+    chosen = ("torch" if objective(cfg).preference else "liger") if _auto(chosen) else str(chosen)
     if chosen not in NORM_KERNELS:
         raise ReprotuneError(f"hardware.norm_kernel: {chosen!r} is not one of auto, {', '.join(NORM_KERNELS)}")
     if chosen == "torch" and model_family(cfg) not in LLAMA_STYLE_FAMILIES:
@@ -283,7 +270,7 @@ def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool
     an SFT run's picks stay as recorded (tests/golden/run_picks.json) unless it is set true. Only a GPU run's
     untied, frozen, plain input embedding can stay on the host; set true otherwise, one line."""
     value = cfg.hardware.embedding_on_host
-    if (not _auto(value) and not bool(value)) or (_auto(value) and not is_preference(cfg)):
+    if (not _auto(value) and not bool(value)) or (_auto(value) and not objective(cfg).preference):
         return False
     why = _why_embedding_stays(cfg, hw, shape)
     if why is None:
@@ -313,21 +300,21 @@ def _why_embedding_stays(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
     """DPO's and ORPO's packed pairs, KTO's packed rows (reprotune.preference.packed): modelled as packed rows, one
     pair (one KTO example) per row."""
-    return objective_name(cfg) in PACKED_OBJECTIVES and p.packing
+    return objective(cfg).packs and p.packing
 
 
 def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
     """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
     each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
     data = load_data_shape(cfg, padded=False) if data == "prepared" else data
-    paired = objective_name(cfg) in PAIRED_OBJECTIVES
+    paired = objective(cfg).paired
     return data.max_tokens if data else (2 if paired else 1) * int(cfg.train.max_length)
 
 
 def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
     """A preference run on TRL 1.16's padded batches: DPO, ORPO or KTO unpacked (train.packing=false; ORPO and KTO
     off a GPU)."""
-    return is_preference(cfg) and not packed_pairs(cfg, p)
+    return objective(cfg).preference and not packed_pairs(cfg, p)
 
 
 def preference_padded_on(cfg: DictConfig, hw: Hardware) -> bool:
@@ -345,11 +332,11 @@ def padded_batch(cfg: DictConfig) -> dict[str, Any]:
     - KTO: B rows (a prompt and its completion) with gradients; its KL batch (B rows of a prompt and the previous
       example's completion, loss_type kto) goes through the policy under torch.no_grad, before its forward, and
       through the reference, after it; the reference forward of the B rows under torch.no_grad."""
-    name, obj = objective_name(cfg), cfg.objective
-    return {"sequences": 1 if name == "kto" else 2,
-            "reference": name in WITH_REFERENCE and not obj.get("precompute_ref_log_probs", False),
-            "kl_rows": name == "kto" and str(obj.get("loss_type", "kto")) != "apo_zero_unpaired",
-            "full_logits": name == "orpo"}
+    obj, conf = objective(cfg), cfg.objective
+    return {"sequences": 2 if obj.paired else 1,
+            "reference": obj.reference and not conf.get("precompute_ref_log_probs", False),
+            "kl_rows": obj.kl_batch and str(conf.get("loss_type", "kto")) != "apo_zero_unpaired",
+            "full_logits": obj.full_logits}
 
 
 def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
@@ -364,7 +351,7 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
     extra = []
     if s.reference:
         extra.append("the reference forward over them without gradients (no saved activations, a transient)")
-    elif objective_name(cfg) in WITH_REFERENCE:
+    elif objective(cfg).reference:
         extra.append("no reference forward (precompute_ref_log_probs)")
     else:
         extra.append("no reference")
@@ -373,7 +360,7 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
                      f"{' and the reference' if s.reference else ''} without gradients")
     if s.full_logits:
         extra.append("the logits of every position (TRL's ORPO has no fused LM head)")
-    return (f"padded pairs: {objective_name(cfg)} modelled as {rows} with gradients; {'; '.join(extra)}; "
+    return (f"padded pairs: {objective(cfg).name} modelled as {rows} with gradients; {'; '.join(extra)}; "
             "held to one H200 run each of 8B LoRA ORPO and KTO (conf/plan/calibration.json)")
 
 
@@ -390,8 +377,9 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
     offload, tiled = long_context_switches(cfg, "cuda")  # forced on: in the view; auto: the fit adds them
     # a packed DPO pair is one row; KTO's rows are the same packed or padded (one sequence each, the reference and
     # the KL batch's forwards without gradients, at least two rows: TRL refuses one with the KL term)
-    kto = objective_name(cfg) == "kto"
-    padded = padded_batch(cfg) if padded_preference(cfg, p) or kto else {}
+    obj = objective(cfg)
+    unpaired_rows = obj.preference and not obj.paired  # KTO's
+    padded = padded_batch(cfg) if padded_preference(cfg, p) or unpaired_rows else {}
     if packed_pairs(cfg, p):
         max_length = pair_row_tokens(cfg, data)
     elif padded:
@@ -450,10 +438,11 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         shape = None
     padded = padded_preference(cfg, p)
     data = load_data_shape(cfg, padded=padded, world_size=hw.world_size) if data == "prepared" else data
-    if shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "dpo":
+    obj = objective(cfg)
+    if shape is not None and packed_pairs(cfg, p) and obj.paired and obj.reference:  # DPO
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers); the reference forward runs without gradients")
-    elif shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "orpo":
+    elif shape is not None and packed_pairs(cfg, p) and obj.paired:  # ORPO
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers), every token scored by the fused LM head (the chosen NLL); no reference")
         # the LM head's share of the packed tokens: the whole chosen sequence (bounded by all of them)

@@ -17,7 +17,7 @@ from reprotune.flops import (
     checkpointed_layers,
     lora_step_flops_per_token,
 )
-from reprotune.preference import is_preference
+from reprotune.objectives import objective
 from reprotune.sizing.draws import run_keys
 from reprotune.sizing.memory import Settings
 from reprotune.sizing.shape import DataShape, Shape
@@ -156,7 +156,7 @@ def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: st
 def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
     if data is None:
         return {}
-    if s.packing and not is_preference(cfg):
+    if s.packing and not objective(cfg).preference:
         batches = math.ceil(math.ceil(data.total_tokens / s.max_length) / s.batch_size)
     else:
         batches = math.ceil(data.examples / s.batch_size)
