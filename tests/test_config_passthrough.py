@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from reprotune import speed
 from reprotune.config import CONF_DIR, compose, library_keys
 from reprotune.sizing.decide import Hardware, card, decide
-from reprotune.train import METHOD_OWN, TRAIN_OWN, lora_config, sft_config
+from reprotune.train import lora_config, sft_config
 
 SRC = Path(__file__).resolve().parents[1] / "src/reprotune"
 GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -28,7 +28,7 @@ def test_every_train_key_reaches_sftconfig_unchanged(tmp_path: Path) -> None:
     # batch shape and packing fitted by reprotune.speed; a CPU run's AdamW, below)
     overridden = {"save_total_limit", "eval_steps", "report_to", "packing", "per_device_train_batch_size",
                   "gradient_accumulation_steps", "optim"}
-    passed = library_keys(cfg.train, TRAIN_OWN)
+    passed = library_keys(cfg, "train")
     assert passed["label_smoothing_factor"] == 0.1  # a key conf/ does not list, added on the command line
     for key, value in passed.items():
         if key not in overridden:
@@ -73,7 +73,7 @@ def test_unknown_train_key_fails_with_trls_message(tmp_path: Path) -> None:
 def test_every_method_key_reaches_loraconfig_unchanged(method: str) -> None:
     cfg = compose([f"method={method}", "+method.rank_pattern={q_proj: 4}"])
     config = lora_config(cfg)
-    for key, value in library_keys(cfg.method, METHOD_OWN).items():
+    for key, value in library_keys(cfg, "method").items():
         if key != "target_modules":
             assert getattr(config, key) == value, key
     assert config.rank_pattern == {"q_proj": 4}

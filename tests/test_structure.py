@@ -1,4 +1,15 @@
-"""The code's shape, read from the source (ast): stages stand alone, shared modules own their concern."""
+"""The code's shape, read from the source (ast): stages stand alone, shared modules own their concern, and the
+import graph reads top-down.
+
+Two graphs of `src/reprotune`, each edge an import anywhere in a module (top level or inside a function):
+- the file graph: one node per module file (`reprotune.sizing.decide`, `reprotune.speed`, a package's __init__ as
+  `reprotune.sizing`). It has no circle.
+- the package graph: the same, with each subpackage (sizing/, preference/, pii/) read as one node. An import is
+  *upward* when it goes from a module to one that (through any chain) imports the importer's package or the
+  importer itself: it closes a circle of the package graph. So a file of sizing/ may import preference/, or the
+  other way round, never both; and a library module that a package's modules import must not import that package
+  back (speed -> sizing.decide, with sizing -> speed, was one). There are none.
+"""
 
 from __future__ import annotations
 
@@ -60,6 +71,106 @@ def code_of(module: str) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     graph = {name: reprotune_imports(tree) for name, tree in modules().items()}
     return {name: deps & set(graph) for name, deps in graph.items()}
+
+
+def file_graph() -> dict[str, set[str]]:
+    """reprotune.<module path> -> the project modules it imports (a package's __init__ named by the package)."""
+    files = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found |= {n for n in names if n in files and n != "reprotune"}
+        graph[name] = found - {name}
+    return graph
+
+
+def package_node(module: str) -> str:
+    """A module of a subpackage as its package (reprotune.sizing.decide -> reprotune.sizing)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (SRC / parts[1]).is_dir() else module
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import a -> b whose package nodes lie on one circle of the package graph (see the docstring)."""
+    packages: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        packages.setdefault(package_node(a), set()).update(package_node(b) for b in deps if package_node(b) !=
+                                                           package_node(a))
+    on_circle = {node: i for i, members in enumerate(circles(packages)) for node in members}
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if package_node(a) != package_node(b) and package_node(a) in on_circle
+                  and on_circle.get(package_node(b)) == on_circle[package_node(a)])
+
+
+def test_the_file_graph_has_no_circle() -> None:
+    assert circles(file_graph()) == []
+
+
+def test_nothing_is_imported_upward() -> None:
+    assert upward_imports(file_graph()) == []
+
+
+def test_the_graph_checks_catch_a_circle_and_an_upward_import() -> None:
+    """The checks above on a made-up graph: a -> b -> a is a circle; speed -> sizing.decide with sizing.memory ->
+    speed is no circle of files but an upward import (the package graph's circle sizing <-> speed)."""
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    graph = {"reprotune.speed": {"reprotune.sizing.decide"}, "reprotune.sizing.memory": {"reprotune.speed"},
+             "reprotune.sizing.decide": set(), "reprotune.train": {"reprotune.speed"}}
+    assert circles(graph) == []
+    assert upward_imports(graph) == ["reprotune.sizing.memory -> reprotune.speed",
+                                     "reprotune.speed -> reprotune.sizing.decide"]
+
+
+def test_the_planner_and_the_settings_types_import_no_runtime_code() -> None:
+    """The FLOP formulas, the settings types and the settings table are pure (no project import), and the GPU
+    kernel is registered by the stages that can run it (train, eval), not by every loader of a tokenizer."""
+    graph = file_graph()
+    assert {m: graph[m] for m in ("reprotune.flops", "reprotune.run_settings", "reprotune.schema")} == {
+        "reprotune.flops": set(), "reprotune.run_settings": set(), "reprotune.schema": set()}
+    assert "reprotune.varlen_attention" not in graph["reprotune.models"]
 
 
 def test_every_stage_is_a_module() -> None:

@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from reprotune import schema
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text
 
@@ -40,10 +42,16 @@ def compose_argv(argv: list[str]) -> DictConfig:
     return compose(overrides)
 
 
-def library_keys(node: DictConfig, own: tuple[str, ...]) -> dict[str, Any]:
-    """A config group as keyword arguments for the library it configures (SFTConfig, LoraConfig,
-    BitsAndBytesConfig): every key but reprotune's own, resolved, passed through unchanged."""
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in own}
+# reprotune's own keys in the groups handed whole to a library (train/: SFTConfig or the objective's TRL config;
+# method/: peft.LoraConfig; objective/: DPOConfig, ORPOConfig, KTOConfig): every other key is the library's.
+OWN_KEYS: dict[str, tuple[str, ...]] = {"train": ("run",), "method": ("name", "quantization"),
+                                        "objective": ("name", "init_adapter")}
+
+
+def library_keys(cfg: DictConfig, group: str) -> dict[str, Any]:
+    """A config group as keyword arguments for the library it configures: every key but reprotune's own
+    (OWN_KEYS), resolved, passed through unchanged."""
+    return {k: v for k, v in OmegaConf.to_container(cfg[group], resolve=True).items() if k not in OWN_KEYS[group]}
 
 
 def quantization(cfg: DictConfig) -> dict[str, Any] | None:
@@ -147,6 +155,26 @@ def type_problems(overrides: list[str], base: dict, composed: dict) -> list[str]
     return problems
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """Every enumerated key's value one of those it takes (reprotune.schema.CHOICES), else one line each naming
+    the key and the allowed values."""
+    if problems := schema.problems(cfg):
+        raise ReprotuneError(problems)
+
+
+# conf/config.yaml's and every params file's hydra.callbacks: the check runs before any stage's main reads cfg
+SETTINGS_CALLBACK = {"check_settings": {"_target_": "reprotune.config.CheckSettings"}}
+
+
+class CheckSettings(Callback):
+    """Hydra's on_job_start hook: check_settings on the composed config, before the stage's main runs; a bad
+    value is its one line and exit status 2 (errors.user_errors), from every `python -m reprotune.<stage>`."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with user_errors():
+            check_settings(config)
+
+
 def sanitise_name(text: str) -> str:
     """A name fit for a model id, an Ollama tag and a file name: lower case, [a-z0-9._-], no leading dot."""
     name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
@@ -188,6 +216,7 @@ def compose_checked(overrides: list[str]) -> DictConfig:
         raise ReprotuneError(f"settings: {str(err).splitlines()[0]}") from None
     if problems := type_problems(overrides, base, resolved):
         raise ReprotuneError(problems)
+    check_settings(composed)
     if problems := secret_problems([f"{k}=" for k in _keys(resolved) if not k.startswith("paths.")]):
         raise ReprotuneError(problems)  # a credential written into conf/ itself
     return composed
@@ -208,7 +237,8 @@ def dump_params(overrides: list[str], out: Path, composed: DictConfig | None = N
     composed = composed if composed is not None else compose_checked(overrides)
     cfg = params_values(composed)
     cfg = {"defaults": [{"override hydra/job_logging": "stdout"}, "_self_"],
-           "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}, **cfg}
+           "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False},
+                     "callbacks": SETTINGS_CALLBACK}, **cfg}
     header = PARAMS_HEADER if out.name != PREF_PARAMS_FILE else PREF_PARAMS_HEADER
     atomic_write_text(out, header + OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
@@ -220,8 +250,7 @@ PREF_PARAMS_HEADER = """\
 # the objective: the preference stages (prepare_pairs, train_pref, eval_pref) run '--config-name params_pref'.
 # Every other setting is params.yaml's, so the preference run starts from the SFT run of the same settings.
 """
-# reprotune.preference's objectives (here, so that config, which every stage imports, imports no preference code)
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto")
+PREFERENCE_OBJECTIVES = schema.PREFERENCE_OBJECTIVES
 DEFAULT_PREFERENCE = "objective=dpo"  # what make repro (and a fresh clone's dvc repro) runs after SFT
 
 
@@ -267,7 +296,7 @@ if __name__ == "__main__":
 
     with user_errors():  # both chains' files (make params)
         dump_chain_params(sys.argv[1:])
-    print("wrote params.yaml, params_pref.yaml")
+    print(f"wrote {PARAMS_FILE}, {PREF_PARAMS_FILE}")
 
 
 def every_n_layers(cfg: DictConfig) -> int:

@@ -96,7 +96,7 @@ def strategy(cfg: DictConfig, size: int) -> str:
     which make plan / the memory fit decides; FSDP2 is chosen by naming it)."""
     if size <= 1:
         return "none"
-    chosen = cfg.hardware.get("distributed", "auto")
+    chosen = cfg.hardware.distributed
     return "ddp" if chosen in (None, "auto") else str(chosen)
 
 

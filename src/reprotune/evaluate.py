@@ -34,6 +34,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from reprotune import metrics as mx
+from reprotune import varlen_attention
 from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import atomic_write_text, fresh_dir, iter_jsonl, jsonl_text, replace_all, save_figure
@@ -186,7 +187,9 @@ def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     # the adapter directory carries the exact tokenizer and chat template the adapter was trained with
     tokenizer = load_tokenizer(adapter_dir)
-    base = load_base_model(model_dir, cfg, device, dtype, attention(cfg, packing=False, device=device))
+    attn = attention(cfg, packing=False, device=device)
+    varlen_attention.register_if_chosen(attn)  # only when hardware.attn_implementation names it
+    base = load_base_model(model_dir, cfg, device, dtype, attn)
     if not quantization(cfg):
         base = base.to(device)
     model = PeftModel.from_pretrained(base, adapter_dir)
@@ -684,15 +687,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.eval_dir)
     root = Path(cfg.paths.root)
     record = mf.stage_record("eval", cfg, out_dir / "manifest.json", **{
-        "seeds": {"seed": int(cfg.seed), "repro": cfg.repro},
+        "seeds": mf.seeds_record(cfg),
         "device": device,
         "dtype": dtype,
         "batch_size": batch_size,
         "inputs": {"holdout": {**mf.path_record(holdout, root), "examples": len(examples)},
                    "adapter": mf.path_record(Path(cfg.paths.adapter), root),
-                   # outside the run (a shared cache): an absolute path
-                   "base_model": mf.path_record(Path(model_dir).resolve(), None) if Path(model_dir).is_dir()
-                   else {"path": model_dir, "sha256": None}},
+                   "base_model": mf.base_model_record(model_dir)},
         "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
         **({"task_pass": note} if note else {}),
         "timing": {"wall_seconds": round(time.time() - started, 2),

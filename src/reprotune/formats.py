@@ -28,8 +28,9 @@ from typing import Any
 
 from reprotune.errors import ReprotuneError
 from reprotune.io import scan_utf8, text_lf, text_lines
+from reprotune.schema import DATA_FORMATS
 
-FORMATS = ("chat", "chat_json", "sharegpt", "alpaca", "prompt_completion")
+FORMATS = DATA_FORMATS  # data.format's values but auto (reprotune.schema)
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool"}

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MODES = ("pinned", "native")
+from reprotune.schema import CPU_KERNEL_MODES as MODES  # the one list of the modes (pure, imports nothing)
+
 DEFAULT_MODE = "pinned"
 KEY = "hardware.cpu_kernels"
 USER_ENV = "REPROTUNE_USER_CPU_ENV"  # JSON: the user's own values of the variables pinned below

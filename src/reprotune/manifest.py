@@ -249,6 +249,23 @@ def path_record(path: Path, root: Path | None = None) -> dict[str, Any]:
     return {"path": rel, "sha256": sha256_file(path)}
 
 
+def base_model_record(model_dir: str, files: bool = True) -> dict[str, Any]:
+    """The base model as a manifest input, the same in every stage: outside the run (a shared cache), so a local
+    directory by its absolute path and content digest (with `files`, each file's too: `make verify` uses it in
+    place); a hub id by its name, sha256 None (its revision is in the config)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return {"path": str(model_dir), "sha256": None}
+    record = path_record(path.resolve(), None)
+    return record if files else {k: record[k] for k in ("path", "sha256")}
+
+
+def seeds_record(cfg: Any, data_seed: bool = False) -> dict[str, Any]:
+    """What a stage's randomness and kernels follow: the seed and the repro mode (with `data_seed`, the seed the
+    Trainer shuffles the data with, which reprotune ties to the seed)."""
+    return {"seed": int(cfg.seed), **({"data_seed": int(cfg.seed)} if data_seed else {}), "repro": str(cfg.repro)}
+
+
 def base_manifest(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     return {
         "stage": stage,

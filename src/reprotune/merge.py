@@ -114,15 +114,6 @@ def write_generation_config(model, tokenizer, out: Path) -> None:
     gen.save_pretrained(out)
 
 
-def base_model_record(model_dir: str) -> dict[str, Any]:
-    """The base model as a manifest input: a local directory by its absolute path and content digest."""
-    from reprotune import manifest as mf
-
-    if not Path(model_dir).is_dir():
-        return {"path": model_dir, "sha256": None}  # a hub id: its revision is in the config
-    return {"path": str(Path(model_dir).resolve()), "sha256": mf.tree_digest(mf.sha256_tree(Path(model_dir)))}
-
-
 # -------------------------------------------------------------------------------------------------- main
 def merge(cfg: DictConfig) -> dict[str, Any]:
     import torch
@@ -198,11 +189,10 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     root = Path(cfg.paths.root)
     manifest_path = Path(cfg.paths.export_dir) / "merge_manifest.json"
     record = mf.stage_record("merge", cfg, manifest_path, **{
-        "seeds": {"seed": int(cfg.seed)},
+        "seeds": mf.seeds_record(cfg),
         "inputs": {"adapter": mf.path_record(adapter_dir, root),
                    "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),
-                   # outside the run (a shared cache): an absolute path, used in place by 'make verify'
-                   "base_model": base_model_record(model_dir)},
+                   "base_model": mf.base_model_record(model_dir, files=False)},
         "outputs": {"merged": mf.path_record(final, root)},
         "parity": parity,
         "timing": {"merge_seconds": round(merge_seconds, 2), "save_seconds": round(save_seconds, 2),

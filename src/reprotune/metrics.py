@@ -24,6 +24,7 @@ from functools import cache
 from typing import Any
 
 from reprotune.errors import ReprotuneError
+from reprotune.schema import TASK_TYPES
 
 JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
@@ -156,7 +157,6 @@ def custom_score(spec: Mapping[str, Any], prediction: str, reference: str) -> fl
     raise ReprotuneError(f"unknown metric kind {kind!r} (one of {', '.join(CUSTOM_KINDS)})")
 
 
-TASK_TYPES = ("auto", "json", "text")
 # what describes the built-in invoice data only (conf/data/invoices.yaml): left out for a user's data unless set
 BUILTIN_ONLY = ("fields", "field_types", "metrics", "primary_metric")
 

@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from reprotune import varlen_attention
 from reprotune.config import plain
 from reprotune.errors import ReprotuneError
 from reprotune.io import fresh_dir, install_dir_once
@@ -384,7 +383,8 @@ def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
 
 def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_implementation: str | None) -> Any:
     """The base model to train or evaluate: in `dtype`, or quantised by bitsandbytes (method.quantization: QLoRA).
-    attn_implementation: reprotune.runtime.attention's choice (None: the library's)."""
+    attn_implementation: reprotune.runtime.attention's choice (None: the library's); a kernel of reprotune's own is
+    registered by the stage that chose it, before this call (varlen_attention.register_if_chosen)."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -395,8 +395,6 @@ def load_base_model(model_dir: str, cfg: Any, device: str, dtype: str, attn_impl
                               "trust_remote_code": cfg.model.trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    if attn_implementation == varlen_attention.NAME:
-        varlen_attention.register()  # transformers checks the name when the model loads
     quant = quantization(cfg)
     if quant:
         kwargs["quantization_config"] = BitsAndBytesConfig(

@@ -54,7 +54,9 @@ class Stage:
 
     @property
     def params_file(self) -> str:
-        return "params_pref.yaml" if self.preference else "params.yaml"
+        from reprotune.config import PARAMS_FILE, PREF_PARAMS_FILE
+
+        return PREF_PARAMS_FILE if self.preference else PARAMS_FILE
 
 
 

@@ -185,7 +185,7 @@ def check_outputs(stage: str, target: str, overrides: list[str], params: dict[st
 
 
 def main(argv: list[str]) -> int:
-    from reprotune.runner import checkout_lock
+    from reprotune.run_lock import checkout_lock
 
     with user_errors(), checkout_lock("make init " + shlex.join(argv)):
         out = init(argv)

@@ -31,7 +31,6 @@ In this order, so that nothing is lost or mis-recorded:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -39,7 +38,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,8 +50,8 @@ from reprotune.errors import (
     die_with_parent,
     user_errors,
 )
+from reprotune.run_lock import LOCK, checkout_lock, holder_line  # noqa: F401 - the lock's home; re-exported
 
-LOCK = Path(".dvc/tmp/reprotune-run.lock")
 # where the stage's user_errors hands over its lines (errors.PROBLEMS_FILE_ENV), written under the run lock
 PROBLEMS = Path(".dvc/tmp/reprotune-problems.json")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -61,38 +59,6 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 20.0
 # the stage outputs, for the closing line (dvc.yaml's outs, metrics and plots of each stage)
 DVC_YAML = Path("dvc.yaml")
-
-
-# ------------------------------------------------------------------------------------------------ the lock
-def holder_line(lock: Path) -> str:
-    try:
-        info = json.loads(lock.read_text() or "{}")
-    except (OSError, json.JSONDecodeError):
-        info = {}
-    if not info:
-        return f"another run holds this checkout ({lock})"
-    return (f"another run holds this checkout: pid {info.get('pid')} ({info.get('command')}) since "
-            f"{info.get('since')}; wait for it or stop it (kill {info.get('pid')}); nothing was changed")
-
-
-@contextlib.contextmanager
-def checkout_lock(command: str, lock: Path = LOCK) -> Iterator[IO[str]]:
-    """Hold the checkout's run lock for the block, or raise ReprotuneError at once naming who holds it."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(lock, "a+", encoding="utf-8")  # noqa: SIM115 - held for the whole block
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ReprotuneError(holder_line(lock)) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "command": command,
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-        handle.flush()
-        yield handle
-    finally:
-        handle.close()  # closing the descriptor releases the flock (so does any exit, SIGKILL included)
 
 
 # --------------------------------------------------------------------------------------------- the outputs
@@ -337,13 +303,13 @@ def check_data(stage: str, configs: dict[str, tuple[list[str], Any]]) -> None:
     (DVC would stop on the missing dependency with `[Errno 2] ...` and no setting named)."""
     import yaml
 
-    from reprotune.config import PARAMS_FILE
+    from reprotune.config import PARAMS_FILE, PREF_PARAMS_FILE
     from reprotune.project import upstream
 
     stages = yaml.safe_load(DVC_YAML.read_text())["stages"]
     chain = set(stages) if stage == "all" else upstream(stage, stages) | {stage}
     for name, key in (("prepare", "data.path"), ("prepare_pairs", "data.preference.path")):
-        file = PARAMS_FILE if name == "prepare" else "params_pref.yaml"
+        file = PARAMS_FILE if name == "prepare" else PREF_PARAMS_FILE
         if name not in chain or file not in configs:
             continue
         from omegaconf import OmegaConf

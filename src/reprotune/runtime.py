@@ -11,6 +11,7 @@ import os
 from omegaconf import DictConfig
 
 from reprotune.errors import ReprotuneError
+from reprotune.schema import REPRO_MODES
 
 
 def resolve_device(cfg: DictConfig) -> str:
@@ -28,9 +29,6 @@ def resolve_dtype(cfg: DictConfig, device: str) -> str:
     if cfg.hardware.dtype != "auto":
         return cfg.hardware.dtype
     return "bfloat16" if device == "cuda" else "float32"
-
-
-REPRO_MODES = ("default", "strict", "fast")
 
 
 def deterministic_kernels(repro: str, device: str) -> bool:
@@ -56,7 +54,7 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
 
     from reprotune import kernels
 
-    mode = str(cfg.hardware.get("cpu_kernels", kernels.DEFAULT_MODE))
+    mode = str(cfg.hardware.cpu_kernels)
     warning = kernels.check_mode(mode)
     if warning:
         logging.getLogger("reprotune.runtime").warning(warning)
@@ -104,7 +102,7 @@ def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False,
     padded (ORPO, KTO, or packing off: TRL 1.16's trainers pad) on CUDA through the varlen kernel, which unpads
     each row from its mask, so no attention is computed over padding."""
     deterministic_kernels(str(cfg.repro), device)  # an unknown mode is refused here too: make plan asks here first
-    attn = cfg.hardware.get("attn_implementation", "auto")
+    attn = cfg.hardware.attn_implementation
     if attn not in (None, "auto"):
         return str(attn)
     fast = device == "cuda" and varlen

@@ -17,19 +17,27 @@ records why. This module holds how those choices run (compile settings) and how 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
+# the FLOP formulas live low (reprotune.flops, which the planner uses too); here for the train stage and bench/
+from reprotune.flops import (  # noqa: F401 - re-exported
+    H200_BF16_FLOPS,
+    attention_flops_per_token,
+    checkpointed_layers,
+    lora_step_flops_per_token,
+    matmul_flops_per_token,
+    mfu,
+    mlp_flops_per_token,
+    recomputed_share,
+)
+
 if TYPE_CHECKING:
-    from reprotune.sizing.decide import RunSettings
+    from reprotune.run_settings import RunSettings
 
 log = logging.getLogger("reprotune.speed")
-
-# bf16 dense matrix rate measured on the lent H200s (8192^3 products, random data): the MFU denominator
-H200_BF16_FLOPS = 790e12
 
 
 def apply_compile_settings(fast: RunSettings) -> None:
@@ -44,57 +52,6 @@ def apply_compile_settings(fast: RunSettings) -> None:
 
 
 # ------------------------------------------------------------------------------------------- measuring
-def matmul_flops_per_token(model_config: Any) -> float:
-    """Forward FLOPs of the dense layers per token (2 x the weights every token passes through; embedding
-    lookups are free)."""
-    c = model_config
-    h, i, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    kv = c.num_key_value_heads * (h // c.num_attention_heads)
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o; k, v; gate, up, down
-    return 2.0 * (layers * per_layer + h * c.vocab_size)
-
-
-def attention_flops_per_token(model_config: Any, mean_context: float) -> float:
-    """Forward FLOPs of causal attention per token for examples of mean length `mean_context` (QK^T and PV)."""
-    c = model_config
-    return 2.0 * 2.0 * c.num_hidden_layers * c.hidden_size * mean_context / 2.0
-
-
-def checkpointed_layers(layers: int, every: int) -> int:
-    """Decoder layers recomputed in the backward: transformers checkpoints layers 0, n, 2n, ..."""
-    return math.ceil(layers / max(1, every))
-
-
-def recomputed_share(model_config: Any, fast: RunSettings) -> float:
-    """The share of decoder layers recomputed in the backward."""
-    if not fast.activation_checkpointing:
-        return 0.0
-    layers = model_config.num_hidden_layers
-    return checkpointed_layers(layers, fast.checkpoint_every_n_layers) / layers
-
-
-def mlp_flops_per_token(model_config: Any) -> float:
-    """Forward FLOPs of the decoder layers' MLPs per token (gate, up, down)."""
-    c = model_config
-    return 2.0 * c.num_hidden_layers * 3 * c.hidden_size * c.intermediate_size
-
-
-def lora_step_flops_per_token(model_config: Any, mean_example_tokens: float, recompute: float,
-                              tiled_mlp: bool = False) -> float:
-    """FLOPs per token of a LoRA/QLoRA training step on a frozen base: forward, the input-gradient half of the
-    backward (frozen weights need no weight gradient), attention backward ~2x its forward, one more forward
-    for the recomputed share of the layers, and with the tiled MLP (reprotune.tiled_mlp) one more MLP forward in
-    every layer's backward. The adapters' own FLOPs (rank 16) are under 1% and left out."""
-    dense = matmul_flops_per_token(model_config)
-    attn = attention_flops_per_token(model_config, mean_example_tokens)
-    tiles = mlp_flops_per_token(model_config) if tiled_mlp else 0.0
-    return (2 + float(recompute)) * dense + (3 + float(recompute)) * attn + tiles
-
-
-def mfu(tokens_per_second: float, flops_per_token: float, peak: float = H200_BF16_FLOPS) -> float:
-    return tokens_per_second * flops_per_token / peak
-
-
 def steady_rate(marks: list[tuple[int, float, int]], skip_first: int = 2, slow_factor: float = 1.2) -> float | None:
     """Steady tokens/s from (step, time, tokens seen) marks: the first `skip_first` steps are left out, and so is
     any later step whose seconds per token exceed `slow_factor` x the median step's. Why the second rule: on a

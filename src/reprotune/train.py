@@ -31,9 +31,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune import checkpoints, distributed, speed
+from reprotune import checkpoints, distributed, speed, varlen_attention
 from reprotune.config import CONF_DIR, library_keys, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
+from reprotune.families import LLAMA_STYLE
 from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
 from reprotune.models import (
     base_identity,
@@ -56,10 +57,11 @@ from reprotune.preference.trainers import (
     trl_classes,
     with_init_adapter,
 )
+from reprotune.run_settings import RunSettings
 from reprotune.runtime import resolve_device, set_reproducibility
-from reprotune.sizing.decide import RunSettings, detect
+from reprotune.sizing.decide import detect
 from reprotune.sizing.preflight import preflight, train_shape
-from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
+from reprotune.trainer_args import guarantee_keys
 
 log = logging.getLogger("reprotune.train")
 
@@ -90,7 +92,6 @@ def split_validation(rows: list[dict], fraction: float) -> tuple[list[dict], lis
 
 # ------------------------------------------------------------------------------------------------ model
 # reprotune's own keys in the method and train groups; every other key is the library's and passes through whole
-METHOD_OWN = ("name", "quantization")
 
 
 def trainable_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
@@ -112,7 +113,7 @@ def lora_config(cfg: DictConfig, tokenizer=None):
     trainable_token_indices absent: the ids of the model preset's lora_trainable_tokens, which need the tokenizer)."""
     from peft import LoraConfig
 
-    keys = library_keys(cfg.method, METHOD_OWN)
+    keys = library_keys(cfg, "method")
     if keys.get("target_modules") is None:
         keys["target_modules"] = OmegaConf.to_container(cfg.model.lora_target_modules, resolve=True) \
             if OmegaConf.is_config(cfg.model.lora_target_modules) else cfg.model.lora_target_modules
@@ -130,7 +131,7 @@ def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     reprotune.sizing.decide (packing)."""
     from trl import SFTConfig
 
-    keys = library_keys(cfg.train, TRAIN_OWN)
+    keys = library_keys(cfg, "train")
     keys.update(
         **guarantee_keys(cfg, run, keys, has_val),
         packing=run.packing,
@@ -172,13 +173,20 @@ def use_torch_rms_norm(model) -> int:
 
     n = 0
     for module in model.modules():
-        if type(module).__name__ in LLAMA_STYLE_NORMS:  # the norms of sizing.decide.LLAMA_STYLE_FAMILIES
+        if type(module).__name__ in LLAMA_STYLE_NORMS:
             module.forward = types.MethodType(forward, module)
             n += 1
     return n
 
 
-LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+LLAMA_STYLE_NORMS = frozenset(LLAMA_STYLE.values())  # the norms of reprotune.families' Llama-style table
+
+
+def register_attention(attn_implementation: str | None) -> None:
+    """reprotune's own attention kernels, registered by the stage that runs them before the model loads
+    (transformers checks the name then): the varlen kernel, and DPO's packed pairs' kernels."""
+    varlen_attention.register_if_chosen(attn_implementation)
+    register_pair_attention(attn_implementation)
 
 
 def mean_example_tokens(dataset, n_examples: int) -> float:
@@ -477,19 +485,16 @@ def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, res
     from reprotune import manifest as mf
 
     root, out_dir = Path(cfg.paths.root), Path(cfg.paths.train_dir)
-    model_files = mf.sha256_tree(Path(model_dir)) if Path(model_dir).is_dir() else {}
     return mf.stage_record(
         "train", cfg, out_dir / "manifest.json",
-        seeds={"seed": int(cfg.seed), "data_seed": int(cfg.seed), "repro": cfg.repro},
+        seeds=mf.seeds_record(cfg, data_seed=True),
         determinism={"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                      "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),
                      "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                      "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
         device=run.device, dtype=run.dtype, resumed_from=resume_from,
         inputs={"train_data": mf.path_record(Path(cfg.paths.prepared) / "train.jsonl", root),
-                # outside the run (a shared cache): an absolute path, used in place by 'make verify'
-                "base_model": {"path": str(Path(model_dir).resolve()), "sha256": mf.tree_digest(model_files),
-                               "files": model_files}},
+                "base_model": mf.base_model_record(model_dir)},
         outputs={"adapter": mf.path_record(adapter_dir, root),
                  **{name: mf.path_record(out_dir / f, root) for name, f in
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
@@ -523,7 +528,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
-    register_pair_attention(run.attn_implementation)  # DPO's packed pairs: transformers checks the name at load
+    register_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if is_preference(cfg):  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg))

@@ -13,9 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune import distributed
-from reprotune.sizing.decide import RunSettings
-
-TRAIN_OWN = ("run",)  # reprotune's own keys in the train group; every other key is the library's
+from reprotune.run_settings import RunSettings
 
 
 def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, Any]:

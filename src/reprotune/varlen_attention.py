@@ -32,6 +32,14 @@ def available() -> bool:
     return bool(spec and spec.origin and (Path(spec.origin).parent / "nn/attention/varlen.py").is_file())
 
 
+def register_if_chosen(attn_implementation: str | None) -> None:
+    """register() when a stage's attention is this kernel, before its model loads (transformers checks the name
+    then). Called by the stages that can choose it (train, and eval when hardware.attn_implementation names it), so
+    only their DVC deps hold this GPU kernel, not every stage that loads a tokenizer through reprotune.models."""
+    if attn_implementation == NAME:
+        register()
+
+
 def register() -> None:
     """Make `attn_implementation="varlen_attention"` known to transformers (the kernel, and a mask function
     that builds no mask: the boundaries come with the batch)."""

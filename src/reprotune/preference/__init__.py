@@ -12,31 +12,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from reprotune.config import PREFERENCE_OBJECTIVES
+from reprotune.config import PARAMS_FILE, PREF_PARAMS_FILE
+from reprotune.objectives import OBJECTIVES, objective
 
-# objectives with a reference model (the implicit reward is log pi/pi_ref); ORPO has none
-WITH_REFERENCE = ("dpo", "kto")
-# objectives reprotune.preference.packed runs on packed rows: DPO's pairs with the prompt once and KTO's rows each a
-# document (their TRL trainers' fused-LM-head calls wrapped); ORPO's pairs with the prompt once (its trainer's
-# concatenated forward replaced by one through TRL's fused LM head)
-PACKED_OBJECTIVES = ("dpo", "kto", "orpo")
-# objectives whose examples are pairs (a prompt and two answers; KTO's rows are one sequence each)
-PAIRED_OBJECTIVES = ("dpo", "orpo")
+# the registry's sets, by name (reprotune.objectives says what each property means)
+WITH_REFERENCE = tuple(n for n, o in OBJECTIVES.items() if o.reference)
+PACKED_OBJECTIVES = tuple(n for n, o in OBJECTIVES.items() if o.packs)
+PAIRED_OBJECTIVES = tuple(n for n, o in OBJECTIVES.items() if o.paired)
 # next to the prepared pairs' train.jsonl: each training pair's packed tokens in its order (make prepare writes it,
 # the plan reads it: reprotune.sizing.draws)
 PAIR_LENGTHS_FILE = "train_lengths.json"
 # the two composed configs DVC's stages run with (reprotune.config.dump_chain_params writes both)
-SFT_PARAMS, PREF_PARAMS = "params", "params_pref"
+SFT_PARAMS, PREF_PARAMS = PARAMS_FILE.removesuffix(".yaml"), PREF_PARAMS_FILE.removesuffix(".yaml")  # Hydra names
 
 
 def objective_name(cfg: Any) -> str:
-    """The configured objective ('sft' when the config predates the objective group)."""
-    node = cfg.get("objective") if hasattr(cfg, "get") else None
-    return str(node.name) if node is not None else "sft"
+    """The configured objective's name (reprotune.objectives.objective(cfg) for what it is)."""
+    return objective(cfg).name
 
 
 def is_preference(cfg: Any) -> bool:
-    return objective_name(cfg) in PREFERENCE_OBJECTIVES
+    return objective(cfg).preference
 
 
 def _line_of(path: Path, key: str) -> int:

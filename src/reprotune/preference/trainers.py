@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
@@ -33,10 +34,9 @@ from reprotune.config import library_keys
 from reprotune.errors import ReprotuneError
 from reprotune.io import iter_jsonl
 from reprotune.preference import WITH_REFERENCE, objective_name
-from reprotune.sizing.decide import RunSettings
-from reprotune.trainer_args import TRAIN_OWN, guarantee_keys
-
-OBJECTIVE_OWN = ("name", "init_adapter")  # reprotune's own keys in the objective group
+from reprotune.run_settings import RunSettings
+from reprotune.schema import OBJECTIVES
+from reprotune.trainer_args import guarantee_keys
 
 
 def trl_classes(name: str) -> tuple[type, type]:
@@ -53,7 +53,7 @@ def trl_classes(name: str) -> tuple[type, type]:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
         return ORPOTrainer, ORPOConfig
-    raise ReprotuneError(f"objective.name: unknown objective {name!r} (sft, dpo, orpo or kto)")
+    raise ReprotuneError(f"objective.name: {name!r} is not one of {', '.join(OBJECTIVES)}")
 
 
 @contextlib.contextmanager
@@ -170,12 +170,22 @@ def sft_only_keys(config_class: type) -> set[str]:
     return {f.name for f in fields(SFTConfig)} - {f.name for f in fields(config_class)}
 
 
+def objective_wins(train_keys: dict[str, Any], objective_keys: dict[str, Any]) -> list[str]:
+    """The keys both groups set to different values, as `objective.k=v over train.k=w`: the objective's win
+    (docs/config.md, "Which key wins"), and the run says so instead of dropping train/'s value silently."""
+    return [f"objective.{k}={v} over train.{k}={train_keys[k]}" for k, v in objective_keys.items()
+            if k in train_keys and train_keys[k] != v]
+
+
 def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
     _, config_class = trl_classes(objective_name(cfg))
     skip = sft_only_keys(config_class)
-    keys = {k: v for k, v in library_keys(cfg.train, TRAIN_OWN).items() if k not in skip}
-    keys.update(library_keys(cfg.objective, OBJECTIVE_OWN))
+    keys = {k: v for k, v in library_keys(cfg, "train").items() if k not in skip}
+    own = library_keys(cfg, "objective")
+    if won := objective_wins(keys, own):
+        logging.getLogger("reprotune.train").info("%s: the objective's keys win (docs/config.md)", ", ".join(won))
+    keys.update(own)
     keys.update(guarantee_keys(cfg, run, keys, has_val))
     keys["include_num_input_tokens_seen"] = "non_padding"  # padded pairs: counted without the padding
     if run.packing and run.device == "cuda":

@@ -18,23 +18,19 @@ No torch, except in detect().
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune import distributed, varlen_attention
+from reprotune import distributed, schema, varlen_attention
 from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
+from reprotune.families import LLAMA_STYLE
 from reprotune.models import random_init_architecture
-from reprotune.preference import (
-    PACKED_OBJECTIVES,
-    PAIRED_OBJECTIVES,
-    WITH_REFERENCE,
-    is_preference,
-    objective_name,
-)
+from reprotune.objectives import objective
+from reprotune.run_settings import RunSettings
 from reprotune.runtime import attention, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import (
@@ -104,43 +100,6 @@ def host_available_bytes(processes: int = 1) -> float | None:
     return None
 
 
-@dataclass(frozen=True)
-class RunSettings:
-    """How a run trains; `reasons` says why, in the order decided."""
-    method: str
-    device: str
-    dtype: str
-    packing: bool
-    attn_implementation: str | None  # None: the model's default (SDPA)
-    liger: bool
-    norm_kernel: str                 # the RMSNorm kernel: liger | torch (torch's fused rms_norm) | eager (the model's)
-    fused_lora: bool                 # LoRA's scale and add inside B's matrix product (reprotune.fused_lora)
-    optim: str                       # transformers' optimizer name (train.optim, or its CPU replacement)
-    dynamic_shapes: bool             # torch.compile traces symbolic sequence lengths from the first call
-    activation_checkpointing: bool
-    checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
-    activation_offloading: bool      # TRL's: the checkpointed layer inputs wait in pinned host memory
-    tiled_mlp_tokens: int            # the MLP over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
-    embedding_on_host: bool          # the frozen input embedding stays in host memory (reprotune.host_embedding)
-    dataloader_workers: int          # processes that collate the batches (0: the training process)
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int  # of one process keeping the global batch alone (the fitted value)
-    world_size: int
-    strategy: str                    # none | ddp | fsdp2
-    process_accumulation: int        # what each of world_size processes accumulates
-    global_batch: str
-    budget_bytes: float | None       # what the run may take of the GPU (None: no GPU)
-    planned: Settings | None         # the memory model's view of this run (None: shape unknown)
-    predicted: dict[str, Any] | None  # its predicted memory on this hardware (CUDA only)
-    fits: bool                       # the predicted need fits the free memory (always true off CUDA)
-    fallback: Settings | None        # what would fit this hardware when the run does not
-    fallback_card_gib: float | None  # and what it would take of the card
-    reasons: tuple[str, ...]
-
-    def as_record(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def _auto(value: Any) -> bool:
     return value is None or value == "auto"
 
@@ -149,27 +108,26 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     """hardware.activation_offloading and hardware.tiled_mlp: True/False when set, None when auto (the fit
     decides on CUDA; off elsewhere). TRL's train.activation_offloading, passed through by hand, counts as set."""
     h = cfg.hardware
-    offload = h.get("activation_offloading", "auto")
+    offload = h.activation_offloading
     if cfg.train.get("activation_offloading") is not None:
         offload = bool(cfg.train.activation_offloading)
     offload = None if _auto(offload) else bool(offload)
-    tiled = h.get("tiled_mlp", "auto")
+    tiled = h.tiled_mlp
     tiled = None if _auto(tiled) else bool(tiled)
-    if objective_name(cfg) in PACKED_OBJECTIVES and cfg.train.get("packing") is not False:
+    obj = objective(cfg)
+    if obj.packs and cfg.train.get("packing") is not False:
         # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does
         # not match its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
         # tokens); never picked, refused when forced
         if tiled:
-            packed = ("KTO's packed rows" if objective_name(cfg) == "kto"
-                      else f"{objective_name(cfg).upper()}'s packed pairs")
-            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {packed} (the tiled MLP's recompute fails "
+            raise ReprotuneError(f"hardware.tiled_mlp=true: not with {obj.name.upper()}'s packed {obj.unit} (the tiled MLP's recompute fails "
                                  "there); leave it auto, or set train.packing=false")
         tiled = False
         # offloading measured at half the speed of fewer pairs kept on the GPU (docs/measurements/
         # 2026-12-03-dpo-step-time-h200.md): every micro-step's row has another length, so its pinned host buffers are new
         # allocations each time. Only when asked for.
         offload = False if offload is None else offload
-    elif is_preference(cfg):
+    elif obj.preference:
         # padded pairs (unpacked DPO, ORPO and KTO): neither has run on a GPU with TRL's preference trainers (packed
         # DPO pairs broke the tiled MLP's recompute; ORPOConfig has no offloading switch); only when asked for
         tiled = False if tiled is None else tiled
@@ -216,25 +174,19 @@ def optimizer(cfg: DictConfig, device: str) -> tuple[str, str | None]:
 
 def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     h, cuda = cfg.hardware, hw.device == "cuda"
-    fast = cuda if _auto(h.get("fast_path", "auto")) else bool(h.fast_path)
+    fast = cuda if _auto(h.fast_path) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     # DPO's packed pairs compute what TRL's padded pairs do (tests/test_preference_packed.py) with each prompt once:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
     # KTO's packed rows and ORPO's packed pairs only where the fast path is (the CPU keeps TRL's padded batch, and
     # its bytes)
-    name = objective_name(cfg)
-    dpo = is_preference(cfg) and name == "dpo"
-    packing = (fast or dpo) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
-    if dpo and packing:
-        reasons.append("pairs packed: no padding, each prompt computed once (reprotune.preference.packed)")
-    elif is_preference(cfg) and packing and name == "orpo":
-        reasons.append("orpo pairs packed: no padding, each prompt computed once, the chosen sequence scored whole "
-                       "through TRL's fused LM head (reprotune.preference.packed)")
-    elif is_preference(cfg) and packing:
-        reasons.append(f"{name} rows packed: no padding, each row one document (reprotune.preference.packed)")
-    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=is_preference(cfg))
+    obj = objective(cfg)
+    packing = (fast or obj.packs_on_cpu) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
+    if obj.packs and packing:
+        reasons.append(obj.packed_reason)
+    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=obj.preference)
     reasons.append(f"attention={attn or 'sdpa'}")
-    liger = h.get("liger_kernel", "auto")
+    liger = h.liger_kernel
     if _auto(liger):
         liger = fast and cuda and hw.liger_installed
         if fast and cuda and not liger:
@@ -245,7 +197,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
                        "host time, and these steps wait on the host)")
     if attn == "flex_attention":
         reasons.append("compile: dynamic shapes from the first call")
-    fused = fast and cuda if _auto(h.get("fused_lora", "auto")) else bool(h.fused_lora)
+    fused = fast and cuda if _auto(h.fused_lora) else bool(h.fused_lora)
     if fused:
         reasons.append("LoRA scale and add fused into B's matrix product")
     optim, why = optimizer(cfg, hw.device)
@@ -268,20 +220,17 @@ def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
     trainer (the collator holds the model); where processes do not start by fork, none."""
     import multiprocessing
 
-    chosen = cfg.hardware.get("dataloader_workers", "auto")
+    chosen = cfg.hardware.dataloader_workers
     if _auto(chosen):
-        chosen = int(device == "cuda" and packing and is_preference(cfg))
+        chosen = int(device == "cuda" and packing and objective(cfg).preference)
     chosen = int(chosen)
     if chosen < 0:
         raise ReprotuneError(f"hardware.dataloader_workers: {chosen} is negative (auto, 0 or a number of processes)")
     return chosen if multiprocessing.get_context().get_start_method() == "fork" else 0
 
 
-NORM_KERNELS = ("liger", "torch")
-# The Llama-style families: their RMSNorm is weight * x / rms (torch's fused rms_norm as it is) and their input
-# embedding a plain torch.nn.Embedding (a lookup the host can do). Gemma's norm is (1 + weight) * x / rms and its
-# embedding scales its output: neither holds.
-LLAMA_STYLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+NORM_KERNELS = schema.NORM_KERNELS
+LLAMA_STYLE_FAMILIES = tuple(LLAMA_STYLE)  # reprotune.families: why these
 
 
 def model_family(cfg: DictConfig, shape: Shape | None = None) -> str:
@@ -304,8 +253,8 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     Gemma's (1 + weight) norm has no torch kernel as it is: always Liger's."""
     if not liger:
         return "eager"
-    chosen = cfg.hardware.get("norm_kernel", "auto")
-    chosen = ("torch" if is_preference(cfg) else "liger") if _auto(chosen) else str(chosen)
+    chosen = cfg.hardware.norm_kernel
+    chosen = ("torch" if objective(cfg).preference else "liger") if _auto(chosen) else str(chosen)
     if chosen not in NORM_KERNELS:
         raise ReprotuneError(f"hardware.norm_kernel: {chosen!r} is not one of auto, {', '.join(NORM_KERNELS)}")
     if chosen == "torch" and model_family(cfg) not in LLAMA_STYLE_FAMILIES:
@@ -319,8 +268,8 @@ def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool
     auto considers it for preference runs only, where it was measured (bench/dpo_recipe.py, docs/preference.md);
     an SFT run's picks stay as recorded (tests/golden/run_picks.json) unless it is set true. Only a GPU run's
     untied, frozen, plain input embedding can stay on the host; set true otherwise, one line."""
-    value = cfg.hardware.get("embedding_on_host", "auto")
-    if (not _auto(value) and not bool(value)) or (_auto(value) and not is_preference(cfg)):
+    value = cfg.hardware.embedding_on_host
+    if (not _auto(value) and not bool(value)) or (_auto(value) and not objective(cfg).preference):
         return False
     why = _why_embedding_stays(cfg, hw, shape)
     if why is None:
@@ -350,21 +299,21 @@ def _why_embedding_stays(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
     """DPO's and ORPO's packed pairs, KTO's packed rows (reprotune.preference.packed): modelled as packed rows, one
     pair (one KTO example) per row."""
-    return objective_name(cfg) in PACKED_OBJECTIVES and p.packing
+    return objective(cfg).packs and p.packing
 
 
 def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
     """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
     each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
     data = load_data_shape(cfg, padded=False) if data == "prepared" else data
-    paired = objective_name(cfg) in PAIRED_OBJECTIVES
+    paired = objective(cfg).paired
     return data.max_tokens if data else (2 if paired else 1) * int(cfg.train.max_length)
 
 
 def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
     """A preference run on TRL 1.16's padded batches: DPO, ORPO or KTO unpacked (train.packing=false; ORPO and KTO
     off a GPU)."""
-    return is_preference(cfg) and not packed_pairs(cfg, p)
+    return objective(cfg).preference and not packed_pairs(cfg, p)
 
 
 def preference_padded_on(cfg: DictConfig, hw: Hardware) -> bool:
@@ -382,11 +331,11 @@ def padded_batch(cfg: DictConfig) -> dict[str, Any]:
     - KTO: B rows (a prompt and its completion) with gradients; its KL batch (B rows of a prompt and the previous
       example's completion, loss_type kto) goes through the policy under torch.no_grad, before its forward, and
       through the reference, after it; the reference forward of the B rows under torch.no_grad."""
-    name, obj = objective_name(cfg), cfg.objective
-    return {"sequences": 1 if name == "kto" else 2,
-            "reference": name in WITH_REFERENCE and not obj.get("precompute_ref_log_probs", False),
-            "kl_rows": name == "kto" and str(obj.get("loss_type", "kto")) != "apo_zero_unpaired",
-            "full_logits": name == "orpo"}
+    obj, conf = objective(cfg), cfg.objective
+    return {"sequences": 2 if obj.paired else 1,
+            "reference": obj.reference and not conf.get("precompute_ref_log_probs", False),
+            "kl_rows": obj.kl_batch and str(conf.get("loss_type", "kto")) != "apo_zero_unpaired",
+            "full_logits": obj.full_logits}
 
 
 def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
@@ -401,7 +350,7 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
     extra = []
     if s.reference:
         extra.append("the reference forward over them without gradients (no saved activations, a transient)")
-    elif objective_name(cfg) in WITH_REFERENCE:
+    elif objective(cfg).reference:
         extra.append("no reference forward (precompute_ref_log_probs)")
     else:
         extra.append("no reference")
@@ -410,7 +359,7 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
                      f"{' and the reference' if s.reference else ''} without gradients")
     if s.full_logits:
         extra.append("the logits of every position (TRL's ORPO has no fused LM head)")
-    return (f"padded pairs: {objective_name(cfg)} modelled as {rows} with gradients; {'; '.join(extra)}; "
+    return (f"padded pairs: {objective(cfg).name} modelled as {rows} with gradients; {'; '.join(extra)}; "
             "held to one H200 run each of 8B LoRA ORPO and KTO (conf/plan/calibration.json)")
 
 
@@ -427,8 +376,9 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
     offload, tiled = long_context_switches(cfg, "cuda")  # forced on: in the view; auto: the fit adds them
     # a packed DPO pair is one row; KTO's rows are the same packed or padded (one sequence each, the reference and
     # the KL batch's forwards without gradients, at least two rows: TRL refuses one with the KL term)
-    kto = objective_name(cfg) == "kto"
-    padded = padded_batch(cfg) if padded_preference(cfg, p) or kto else {}
+    obj = objective(cfg)
+    unpaired_rows = obj.preference and not obj.paired  # KTO's
+    padded = padded_batch(cfg) if padded_preference(cfg, p) or unpaired_rows else {}
     if packed_pairs(cfg, p):
         max_length = pair_row_tokens(cfg, data)
     elif padded:
@@ -449,7 +399,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
                     tiled_mlp=tile_tokens(cfg) if tiled else 0,
-                    host_embedding=_forced_on(cfg.hardware.get("embedding_on_host", "auto")), **padded)
+                    host_embedding=_forced_on(cfg.hardware.embedding_on_host), **padded)
 
 
 def _forced_on(value: Any) -> bool:
@@ -487,10 +437,11 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         shape = None
     padded = padded_preference(cfg, p)
     data = load_data_shape(cfg, padded=padded, world_size=hw.world_size) if data == "prepared" else data
-    if shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "dpo":
+    obj = objective(cfg)
+    if shape is not None and packed_pairs(cfg, p) and obj.paired and obj.reference:  # DPO
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers); the reference forward runs without gradients")
-    elif shape is not None and packed_pairs(cfg, p) and objective_name(cfg) == "orpo":
+    elif shape is not None and packed_pairs(cfg, p) and obj.paired:  # ORPO
         reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
                        "once, both answers), every token scored by the fused LM head (the chosen NLL); no reference")
         # the LM head's share of the packed tokens: the whole chosen sequence (bounded by all of them)

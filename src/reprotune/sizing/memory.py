@@ -5,48 +5,16 @@ may take of a card. No torch."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune import speed
 from reprotune.config import quantization
+from reprotune.flops import checkpointed_layers
+from reprotune.run_settings import Settings
 from reprotune.sizing.shape import DataShape, Params, Shape, load_table
 
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Settings:
-    method: str
-    load_in_4bit: bool
-    double_quant: bool
-    dora: bool
-    r: int
-    targets: tuple[str, ...]
-    checkpointing: bool
-    packing: bool
-    batch_size: int
-    grad_accum: int
-    max_length: int
-    eager_attention: bool
-    mask_repeats_kv: bool     # SDPA with a mask (and flex attention) repeat K/V to every head
-    dtype_bytes: int
-    liger: bool = False       # Liger's fused RMSNorm/SwiGLU/RoPE
-    input_casts: bool = False  # PEFT's per-adapter input casts (train.py disables them under bf16 autocast)
-    ckpt_every: int = 1       # with checkpointing: every n-th decoder layer (transformers' every_n_layers)
-    # long context (issue #27), both only with every layer checkpointed:
-    offload: bool = False     # TRL's activation offloading: the checkpointed layer inputs wait in pinned host memory
-    tiled_mlp: int = 0        # the MLP runs over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
-    # padded preference batches (TRL 1.16's DPO/ORPO/KTO collators, issue #26; DPO's packed pairs are packed rows):
-    sequences: int = 1        # padded rows per example: 2 for a DPO/ORPO pair (prompt + chosen, prompt + rejected)
-    reference: bool = False   # DPO's/KTO's reference forward over the same rows, under no_grad, while the policy's
-                              # activations are saved (False: ORPO, or precompute_ref_log_probs)
-    kl_rows: bool = False     # KTO's KL batch: B mismatched (prompt, completion) rows through the policy and the
-                              # reference, both under no_grad
-    full_logits: bool = False  # ORPO: the logits of every position (TRL's ORPO trainer has no fused LM head)
-    host_embedding: bool = False  # the frozen input embedding in host memory (reprotune.host_embedding)
 
 
 def micro_batch_tokens(s: Settings, data: DataShape | None) -> int:
@@ -229,7 +197,7 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
     lm = full_logits_bytes(shape, s, tokens, consts) if s.full_logits else lm_head_bytes(shape, tokens, share, consts)
     dequant = p.largest_linear * 2 * consts["weights"]["dequant_temp_layers"] if s.load_in_4bit else 0.0
     static = weight_bytes(p, s, consts) + adapter_bytes(p, s, consts)
-    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
+    k = checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     if k == shape.layers:
         # backward: the loss head first, then one layer at a time is recomputed next to the saved layer inputs
         saved = act["checkpointing"]
@@ -283,7 +251,7 @@ QLORA_BUDGET_GIB = 22.0
 def memory_budget(cfg: DictConfig, free_bytes: float) -> float:
     """hardware.memory_budget_gib (what the run may take of the card: reserved + CUDA context), or auto:
     QLORA_BUDGET_GIB for 4-bit runs, else 90% of the GPU's free memory."""
-    budget = cfg.hardware.get("memory_budget_gib", "auto")
+    budget = cfg.hardware.memory_budget_gib
     if budget is None or budget == "auto":
         return QLORA_BUDGET_GIB * GIB if quantization(cfg) else 0.9 * free_bytes
     return float(budget) * GIB

@@ -14,7 +14,7 @@ import yaml
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.preference import is_preference
+from reprotune.objectives import objective
 from reprotune.sizing.calibration import measured_run
 from reprotune.sizing.decide import (
     Hardware,
@@ -56,7 +56,7 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
         out.append(f"model '{model.name}': the built-in tokenizer has {BUILTIN_TOKENIZER_VOCAB:,} ids but the model's "
                    f"vocab_size is {vocab:,}: make train stops (give it a tokenizer of at most {vocab:,} ids)")
     if data is None:
-        if is_preference(cfg):  # a preference run's rows are in paths.pairs
+        if objective(cfg).preference:  # a preference run's rows are in paths.pairs
             out.append(f"{cfg.paths.pairs}: no prepared pairs (run make prepare ARGS=\"objective="
                        f"{cfg.objective.name}\"); memory assumes the longest rows max_length allows, and no time or cost "
                        "without token counts")

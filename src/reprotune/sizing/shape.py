@@ -225,20 +225,20 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int
     `padded` the padded rows of TRL's preference trainers (None: DPO and ORPO with train.packing other than false
     are packed pairs, as on the GPU; KTO and unpacked pairs are padded; KTO's rows are the same packed or padded).
     Packed pairs carry the largest micro-batch the run will draw on `world_size` processes, where that is known."""
-    from reprotune.preference import PAIRED_OBJECTIVES, is_preference, objective_name
+    from reprotune.objectives import objective
 
+    obj = objective(cfg)
     # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
-    prepared = Path(cfg.paths.pairs if is_preference(cfg) and cfg.paths.get("pairs") else cfg.paths.prepared)
+    prepared = Path(cfg.paths.pairs if obj.preference and cfg.paths.get("pairs") else cfg.paths.prepared)
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
-    if is_preference(cfg):
-        name = objective_name(cfg)
-        paired = name in PAIRED_OBJECTIVES
+    if obj.preference:
+        paired = obj.paired
         if padded is None:
             padded = not paired or cfg.train.get("packing") is False
         # KTO's rows are the same sequences packed or padded: only packed pairs are counted another way
         found = (pair_shape_from_prepared(prepared) if paired and not padded
-                 else padded_shape_from_prepared(prepared, name))
+                 else padded_shape_from_prepared(prepared, obj.name))
         if found and paired and not padded:
             from reprotune.sizing.draws import drawn_batch_tokens
 

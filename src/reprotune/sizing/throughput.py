@@ -11,15 +11,20 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune import speed
-from reprotune.preference import is_preference
+from reprotune.flops import (
+    H200_BF16_FLOPS,
+    attention_flops_per_token,
+    checkpointed_layers,
+    lora_step_flops_per_token,
+)
+from reprotune.objectives import objective
 from reprotune.sizing.draws import run_keys
 from reprotune.sizing.memory import Settings
 from reprotune.sizing.shape import DataShape, Shape
 
 
 def as_model_config(shape: Shape) -> SimpleNamespace:
-    """The config.json attributes reprotune.speed's FLOP counts read (the same counts as the manifest's MFU)."""
+    """The config.json attributes reprotune.flops' counts read (the same counts as the manifest's MFU)."""
     return SimpleNamespace(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                            num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                            num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab)
@@ -63,7 +68,7 @@ class StepWork:
     """What one micro-step does, for the throughput model (docs/plan.md)."""
     path: str            # "fast" or "unfused" (code_path)
     qlora: bool
-    flops: float         # FLOPs per computed token (reprotune.speed's count, recompute included)
+    flops: float         # FLOPs per computed token (reprotune.flops' count, recompute included)
     attention_flops: float  # of which attention's (QK^T and PV: grows with the context, runs in its own kernels)
     step: MicroStep
     layer_passes: float  # decoder-layer passes: forward and backward of every layer, + one per recomputed layer
@@ -74,12 +79,12 @@ class StepWork:
 
 
 def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
-    k = speed.checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
+    k = checkpointed_layers(shape.layers, s.ckpt_every) if s.checkpointing else 0
     step = micro_step(s, data)
     config, extra = as_model_config(shape), no_grad_passes(s)
     recompute = k / shape.layers + extra  # a forward without gradients costs what a recomputed forward does
-    flops = speed.lora_step_flops_per_token(config, step.context, recompute, tiled_mlp=bool(s.tiled_mlp))
-    attention = (3 + recompute) * speed.attention_flops_per_token(config, step.context)
+    flops = lora_step_flops_per_token(config, step.context, recompute, tiled_mlp=bool(s.tiled_mlp))
+    attention = (3 + recompute) * attention_flops_per_token(config, step.context)
     offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
     sequence = step.computed if s.packing else step.computed / (s.batch_size * s.sequences)  # tiles split it
     tiles = 2 * shape.layers * math.ceil(sequence / s.tiled_mlp) if s.tiled_mlp and sequence > s.tiled_mlp else 0
@@ -95,10 +100,10 @@ def overhead_terms(w: StepWork) -> dict[str, float]:
     the measured dense bf16 rate (gemm_time_factor: how much slower the real mix of products runs), and the
     decoder-layer passes, QLoRA's passes and its recomputed layers."""
     dense = w.flops - w.attention_flops
-    return {f"{w.path}.gemm_time_factor": 1e3 * dense * w.step.computed / speed.H200_BF16_FLOPS,
+    return {f"{w.path}.gemm_time_factor": 1e3 * dense * w.step.computed / H200_BF16_FLOPS,
             # attention's kernels (FlashAttention's varlen, flex) run at their own rate: the long-context runs
             # of issue #27, where attention is most of the work, set it
-            "attention_time_factor": 1e3 * w.attention_flops * w.step.computed / speed.H200_BF16_FLOPS,
+            "attention_time_factor": 1e3 * w.attention_flops * w.step.computed / H200_BF16_FLOPS,
             f"{w.path}.layer_pass_ms": w.layer_passes,
             f"{w.path}.qlora_layer_pass_ms": w.layer_passes if w.qlora else 0.0,
             "qlora_recompute_layer_ms": float(w.recomputed) if w.qlora else 0.0,
@@ -151,7 +156,7 @@ def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: st
 def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
     if data is None:
         return {}
-    if s.packing and not is_preference(cfg):
+    if s.packing and not objective(cfg).preference:
         batches = math.ceil(math.ceil(data.total_tokens / s.max_length) / s.batch_size)
     else:
         batches = math.ceil(data.examples / s.batch_size)

@@ -1,0 +1,57 @@
+"""The training objectives as values: what each one is, in one registry, so that code asks the objective
+(`objective(cfg).paired`) instead of branching on its name. Adding an objective is a conf/objective/<name>.yaml, an
+entry here (its properties) and its TRL classes (reprotune.preference.trainers.trl_classes).
+
+Pure: imports only reprotune.schema (the names) and reprotune.errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from reprotune import schema
+from reprotune.errors import ReprotuneError
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    preference: bool = False    # trains on preference data: the preference chain (params_pref.yaml, data/pairs)
+    paired: bool = False        # an example is a prompt and two answers (chosen, rejected); else one sequence
+    reference: bool = False     # a reference model's forward (the implicit reward is log pi/pi_ref)
+    kl_batch: bool = False      # KTO's KL batch: mismatched (prompt, completion) rows without gradients
+    full_logits: bool = False   # TRL's padded trainer returns the logits of every position (no fused LM head)
+    packs_on_cpu: bool = False  # train.packing=auto packs it off the GPU too (the same result, measured faster)
+    packed_reason: str = ""     # the run's reason line when its examples are packed (reprotune.preference.packed)
+
+    @property
+    def packs(self) -> bool:
+        """reprotune.preference.packed runs it on packed rows (DPO's and ORPO's pairs with the prompt once, KTO's
+        rows each a document)."""
+        return self.preference
+
+    @property
+    def unit(self) -> str:
+        return "pairs" if self.paired else "rows"
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
+    Objective("sft"),
+    Objective("dpo", preference=True, paired=True, reference=True, packs_on_cpu=True,
+              packed_reason="pairs packed: no padding, each prompt computed once (reprotune.preference.packed)"),
+    Objective("orpo", preference=True, paired=True, full_logits=True,
+              packed_reason="orpo pairs packed: no padding, each prompt computed once, the chosen sequence scored "
+                            "whole through TRL's fused LM head (reprotune.preference.packed)"),
+    Objective("kto", preference=True, reference=True, kl_batch=True,
+              packed_reason="kto rows packed: no padding, each row one document (reprotune.preference.packed)"),
+)}
+assert tuple(OBJECTIVES) == schema.OBJECTIVES, "reprotune.schema.OBJECTIVES names these"
+
+
+def objective(cfg: Any) -> Objective:
+    """The configured objective (sft when the config predates the objective group)."""
+    node = cfg.get("objective") if hasattr(cfg, "get") else None
+    name = str(node.name) if node is not None else schema.SFT
+    if name not in OBJECTIVES:
+        raise ReprotuneError(f"objective.name: {name!r} is not one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
