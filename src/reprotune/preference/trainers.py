@@ -172,7 +172,7 @@ def sft_only_keys(config_class: type) -> set[str]:
 
 def objective_wins(train_keys: dict[str, Any], objective_keys: dict[str, Any]) -> list[str]:
     """The keys both groups set to different values, as `objective.k=v over train.k=w`: the objective's win
-    (docs/config.md, "Which key wins"), and the run says so instead of dropping train/'s value silently."""
+    (docs/configuration.md, "Which key wins"), and the run says so instead of dropping train/'s value silently."""
     return [f"objective.{k}={v} over train.{k}={train_keys[k]}" for k, v in objective_keys.items()
             if k in train_keys and train_keys[k] != v]
 
@@ -184,7 +184,7 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     keys = {k: v for k, v in library_keys(cfg, "train").items() if k not in skip}
     own = library_keys(cfg, "objective")
     if won := objective_wins(keys, own):
-        logging.getLogger("reprotune.train").info("%s: the objective's keys win (docs/config.md)", ", ".join(won))
+        logging.getLogger("reprotune.train").info("%s: the objective's keys win (docs/configuration.md)", ", ".join(won))
     keys.update(own)
     keys.update(guarantee_keys(cfg, run, keys, has_val))
     keys["include_num_input_tokens_seen"] = "non_padding"  # padded pairs: counted without the padding
