@@ -63,6 +63,11 @@ def test_choose_takes_the_smallest_that_passes() -> None:
     assert gq.ladder(["Q8_0"], []) == ["Q8_0"]
     with pytest.raises(ReprotuneError, match="export.ladder: export.quant=auto needs at least one quant"):
         gq.ladder("auto", [])
+    # auto with no quant passing: the F16 file when it passed (it answers like the model), else nothing
+    gates = {"F16": {"passed": True}, "Q8_0": {"passed": False}}
+    assert gq.auto_fallback(None, "F16", gates) == "F16"
+    assert gq.auto_fallback("Q8_0", "F16", gates) == "Q8_0"
+    assert gq.auto_fallback(None, "F16", {**gates, "F16": {"passed": False}}) is None
 
 
 def test_auto_ladder_none_passing_and_serve_refusal(exported: tuple[Path, list[str]], tmp_path: Path) -> None:

@@ -441,12 +441,14 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         if auto and report["gate"][quant]["passed"]:
             break
     chosen = gq.choose({q: {"gate": report["gate"][q]} for q in tried}, tried)
-    if auto:  # only the chosen quant ships (the others are in the table)
+    base = OUTTYPE_NAME[outtype]
+    if auto:  # only the chosen quant ships (the others are in the table); none passing: the F16 file if it passed
+        chosen = gq.auto_fallback(chosen, base, report["gate"])
         keep = chosen or (tried[-1] if tried else None)
         for q in tried:
             if q != keep:
                 (tmp / files.pop(q)).unlink()
-    report["ladder"] = ladder_rows(report, tried, primary)
+    report["ladder"] = ladder_rows(report, tried + ([base] if chosen == base else []), primary)
     serve_quant = serve_choice(cfg, auto, chosen, tried, files)
     report["serve_quant"] = serve_quant
     report["chosen_quant"] = chosen

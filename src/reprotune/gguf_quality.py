@@ -173,6 +173,15 @@ def choose(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> st
     return next((q for q in order if q in results and results[q]["gate"]["passed"]), None)
 
 
+def auto_fallback(chosen: str | None, base: str, gates: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """export.quant=auto's pick: the smallest quant that passed; when none did, the unquantized file (F16) if it
+    passed, so that make serve serves a model that answers like the trained one (at its full size) rather than a
+    small one that does not; else None (the largest quant tried ships, marked failed)."""
+    if chosen is not None:
+        return chosen
+    return base if base in gates and gates[base]["passed"] else None
+
+
 def summary_line(name: str, filename: str, size: int, greedy: Mapping[str, Any], gate_: Mapping[str, Any],
                  task: Mapping[str, float] | None, tokens_per_s: float | None) -> str:
     """One line per quant for make gguf: the numbers and the verdict."""
