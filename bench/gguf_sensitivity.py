@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO / "src"))
 Q8 = "q8_0"
 ATTN = {r"attn_(q|k|v|output)\.weight": Q8}
 FFN = {r"ffn_(gate|up|down)\.weight": Q8}
+ATTN_VO = {r"attn_(v|output)\.weight": Q8}   # the value path alone (attn_v is the recipe's own first bump)
 # name: (recipe, token_embedding_type, tensor_types, with the imatrix)
 VARIANTS = {
     "F16": ("F16", None, None, False),  # no quantization: llama.cpp's own arithmetic against HF's fp32
@@ -36,6 +37,10 @@ VARIANTS = {
     "Q4_K_M ffn=Q8_0": ("Q4_K_M", None, FFN, False),
     "Q4_K_M imatrix": ("Q4_K_M", None, None, True),
     "Q4_K_M imatrix emb=Q8_0": ("Q4_K_M", Q8, None, True),
+    "Q4_K_M imatrix attn=Q8_0": ("Q4_K_M", None, ATTN, True),
+    "Q4_K_M imatrix attn_v,o=Q8_0": ("Q4_K_M", None, ATTN_VO, True),
+    "Q4_K_M imatrix ffn=Q8_0": ("Q4_K_M", None, FFN, True),
+    "Q5_K_M imatrix attn=Q8_0": ("Q5_K_M", None, ATTN, True),
     "Q5_K_M imatrix": ("Q5_K_M", None, None, True),
     "Q6_K imatrix": ("Q6_K", None, None, True),
     "Q8_0": ("Q8_0", None, None, False),
@@ -114,7 +119,7 @@ def main(overrides: list[str]) -> None:
             if recipe == "F16":
                 shutil.copy(work / f16.name, path)
             elif with_imatrix:
-                gq.quantize_with_tool(src, work, f16.name, path.name, recipe, n, gq.IMATRIX_FILE, emb)
+                gq.quantize_with_tool(src, work, f16.name, path.name, recipe, n, gq.IMATRIX_FILE, emb, types)
             else:
                 g.quantize(work / f16.name, path, recipe, n, emb, types)
             llm = Llama(model_path=str(path), n_ctx=int(cfg.export.parity.n_ctx), n_threads=n, n_threads_batch=n,

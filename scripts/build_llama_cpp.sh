@@ -73,6 +73,24 @@ src="$dir/src/llama_cpp_python-$version"
 
 log() { echo "build_llama_cpp: $*" >&2; }
 toolchain() { "${CXX:-c++}" --version 2>/dev/null | head -1; }
+need_compiler() {
+  command -v "${CXX:-c++}" >/dev/null || { log "no C++ compiler (${CXX:-c++}); install g++ (Debian: apt-get install g++)"; exit 1; }
+}
+# Into a fresh work dir $1 (with dl/ and src/): the pinned sdist, unpacked in $1/src, and $1/buildenv, a venv with the
+# hash-locked build tools. --require-hashes: pip refuses an sdist whose sha256 differs from the lock. Source-only for
+# this package alone: ':all:' would also force pip's metadata build environment (scikit-build-core...) from source.
+# The build venv's pip is the interpreter's bundled one (Debian's python3.11: pip 23.0.1, no -C short option).
+fetch_source() {
+  local at=$1
+  log "fetching $pin (sdist, sha256 $sha) and the build tools of lockfiles/llama-cpp-build.txt"
+  printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$at/req.txt"
+  "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
+    --require-hashes -r "$at/req.txt" -d "$at/dl"
+  tar -xzf "$at/dl/llama_cpp_python-$version.tar.gz" -C "$at/src"
+  "$PYTHON" -m venv "$at/buildenv"
+  "$at/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+    -r lockfiles/llama-cpp-build.txt
+}
 # After the compile only the converter is needed from the source tree (176 MB of docs, test vocabularies and C++
 # sources otherwise stay in the cache and in the image): convert_*.py, its conversion/ package, gguf-py, licenses.
 prune_source() {
@@ -107,20 +125,9 @@ if [ ! -f "$dir/done" ] && [ -n "${LLAMA_CPP_SEED:-}" ] && [ -f "$seed/done" ]; 
 fi
 
 if [ ! -f "$dir/done" ]; then
-  command -v "${CXX:-c++}" >/dev/null || { log "no C++ compiler (${CXX:-c++}); install g++ (Debian: apt-get install g++)"; exit 1; }
+  need_compiler
   rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/dl" "$dir.tmp/src" "$dir.tmp/wheel"
-  log "fetching $pin (sdist, sha256 $sha)"
-  printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$dir.tmp/req.txt"
-  # --require-hashes: pip refuses an sdist whose sha256 differs from the lock. Source-only for this package
-  # alone: ':all:' would also force pip's metadata build environment (scikit-build-core...) from source.
-  "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
-    --require-hashes -r "$dir.tmp/req.txt" -d "$dir.tmp/dl"
-  tar -xzf "$dir.tmp/dl/llama_cpp_python-$version.tar.gz" -C "$dir.tmp/src"
-  log "build tools from lockfiles/llama-cpp-build.txt"
-  # the build venv's pip is the interpreter's bundled one (Debian's python3.11: pip 23.0.1, no -C short option)
-  "$PYTHON" -m venv "$dir.tmp/buildenv"
-  "$dir.tmp/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
-    -r lockfiles/llama-cpp-build.txt
+  fetch_source "$dir.tmp"
   log "compiling libllama ($CMAKE_FLAGS) on $(nproc) cores; takes minutes (ninja's [done/total] below)"
   start=$(date +%s)
   # the build venv's cmake and ninja come first on PATH: the same tools on every machine
@@ -159,17 +166,10 @@ fi
 # with common's loader). Same sdist, same flags, built statically from that tree into $dir/tools/bin (only these two
 # targets: ggml, libllama, common and the two tools; cpp-httplib is compiled for common but never called).
 if [ ! -f "$dir/tools/done" ]; then
-  command -v "${CXX:-c++}" >/dev/null || { log "no C++ compiler (${CXX:-c++}); install g++ (Debian: apt-get install g++)"; exit 1; }
+  need_compiler
   t="$dir/tools.tmp"
   rm -rf "$t" && mkdir -p "$t/dl" "$t/src" "$t/bin"
-  log "fetching $pin again for llama-imatrix and llama-quantize (sdist, sha256 $sha)"
-  printf '%s --hash=sha256:%s\n' "$pin" "$sha" > "$t/req.txt"
-  "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
-    --require-hashes -r "$t/req.txt" -d "$t/dl"
-  tar -xzf "$t/dl/llama_cpp_python-$version.tar.gz" -C "$t/src"
-  "$PYTHON" -m venv "$t/buildenv"
-  "$t/buildenv/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
-    -r lockfiles/llama-cpp-build.txt
+  fetch_source "$t"   # again: the wheel's tree was pruned to the converter after its build
   log "compiling llama-imatrix and llama-quantize ($CMAKE_FLAGS, static) on $(nproc) cores; takes minutes"
   start=$(date +%s)
   prefix_map="-ffile-prefix-map=$t/src=/llama-cpp/src -ffile-prefix-map=$t/build=/llama-cpp/build"

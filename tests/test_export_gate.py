@@ -63,6 +63,11 @@ def test_choose_takes_the_smallest_that_passes() -> None:
     assert gq.ladder(["Q8_0"], []) == ["Q8_0"]
     with pytest.raises(ReprotuneError, match="export.ladder: export.quant=auto needs at least one quant"):
         gq.ladder("auto", [])
+    # auto with no quant passing: the F16 file when it passed (it answers like the model), else nothing
+    gates = {"F16": {"passed": True}, "Q8_0": {"passed": False}}
+    assert gq.auto_fallback(None, "F16", gates) == "F16"
+    assert gq.auto_fallback("Q8_0", "F16", gates) == "Q8_0"
+    assert gq.auto_fallback(None, "F16", {**gates, "F16": {"passed": False}}) is None
 
 
 def test_auto_ladder_none_passing_and_serve_refusal(exported: tuple[Path, list[str]], tmp_path: Path) -> None:
@@ -94,3 +99,16 @@ def test_auto_ladder_none_passing_and_serve_refusal(exported: tuple[Path, list[s
         llama_cpp_settings(compose([f"paths.root={tmp_path}"]))
     _, model = llama_cpp_settings(compose([f"paths.root={tmp_path}", "export.serve.allow_failed=true"]))
     assert model.model == str(out / "model-Q8_0.gguf")
+
+
+def test_tensor_types_are_checked_one_line_each() -> None:
+    """export.tensor_types: PATTERN=TYPE as llama-quantize's --tensor-type takes it; a malformed entry, a bad regex
+    or an unknown type is one line naming the setting and the entry."""
+    assert gq.tensor_types(["attn_v=q8_0", r"token_embd\.weight=Q6_K"]) == {"attn_v": "q8_0",
+                                                                           r"token_embd\.weight": "q6_k"}
+    assert gq.tensor_types(None) == {} and gq.tensor_types([]) == {}
+    for bad, message in (("attn_v", r"'attn_v' is not PATTERN=TYPE"), ("=q8_0", r"'=q8_0' is not PATTERN=TYPE"),
+                         ("attn_(v=q8_0", r"'attn_\(v' is not a regular expression"),
+                         ("attn_v=q9_9", r"'attn_v=q9_9': unknown ggml type 'q9_9'")):
+        with pytest.raises(ReprotuneError, match=rf"^export.tensor_types: {message}"):
+            gq.tensor_types([bad])

@@ -102,6 +102,19 @@ def test_gguf_metadata_carries_template_and_pre_tokenizer(exported: tuple[Path, 
     assert meta["tokenizer.ggml.eos_token_id"] == 2
 
 
+def test_gguf_general_name_is_the_datas(exported: tuple[Path, list[str]]) -> None:
+    """Every GGUF's general.name is export.name, reprotune-<data.name> (the converter would name it after the
+    merged folder, 'Merged', whatever the data); the quants carry it from the F16."""
+    from reprotune import llamacpp
+
+    root, overrides = exported
+    name = compose(overrides).export.name
+    assert name == "reprotune-invoices"
+    for gguf_file in sorted((root / "outputs/gguf").glob("model-*.gguf")):
+        meta = llamacpp.gguf_info(llamacpp.source_dir(), gguf_file)["metadata"]
+        assert meta["general.name"] == name, gguf_file.name
+
+
 def test_unknown_pre_tokenizer_fails_clearly(exported: tuple[Path, list[str]], tmp_path: Path) -> None:
     root, overrides = exported
     shutil.copytree(root / "outputs/merged", tmp_path / "outputs/merged")

@@ -71,10 +71,12 @@ def threads(cfg: DictConfig) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- convert
-def convert(src: Path, merged: Path, out: Path, outtype: str) -> None:
-    """convert_hf_to_gguf.py from the pinned tree (it puts its own gguf-py first on sys.path)."""
+def convert(src: Path, merged: Path, out: Path, outtype: str, model_name: str) -> None:
+    """convert_hf_to_gguf.py from the pinned tree (it puts its own gguf-py first on sys.path). model_name is the
+    GGUF's general.name (export.name, reprotune-<data.name>): without it the converter names the model after the
+    merged folder ('Merged'), the same for every user's data; the quants copy it."""
     cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(merged), "--outtype", outtype,
-           "--outfile", str(out)]
+           "--outfile", str(out), "--model-name", model_name]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     log.info("converting %s -> %s (%s)", merged, out.name, outtype)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -354,6 +356,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
+    tensor_types = gq.tensor_types(cfg.export.get("tensor_types"))
     auto = isinstance(cfg.export.quant, str) and cfg.export.quant == gq.AUTO
     n_threads = threads(cfg)
     outtype = str(cfg.export.outtype)
@@ -370,7 +373,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     # 1. convert, then let llama.cpp load it and say whether anything degrades generation
     base_name = f"model-{OUTTYPE_NAME[outtype]}.gguf"
     t0 = time.time()
-    convert(src, merged, tmp / base_name, outtype)
+    convert(src, merged, tmp / base_name, outtype, str(cfg.export.name))
     timing["convert_seconds"] = round(time.time() - t0, 2)
     accepted = accepted_control_tokens(cfg.model, tokenizer)
     load = check_loads_cleanly(tmp / base_name, accepted)
@@ -403,6 +406,7 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
                             "(export.parity.examples=N, or all)",
         "quant_request": cfg.export.quant if isinstance(cfg.export.quant, str) else list(cfg.export.quant),
         "imatrix": imatrix, "token_embedding_type": cfg.export.token_embedding_type,
+        "tensor_types": tensor_types,
         "tokenization": {}, "greedy": {}, "gate": {}, "task": {}, "tokens_per_second": {}, "bytes": {},
         "hf_outputs": hf_text, "gguf_outputs": {}, "type_mix": {},
     }
@@ -425,9 +429,10 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         t0 = time.time()
         if imatrix is not None:
             gq.quantize_with_tool(src, tmp, base_name, filename, quant, n_threads, gq.IMATRIX_FILE,
-                                  cfg.export.token_embedding_type)
+                                  cfg.export.token_embedding_type, tensor_types)
         else:
-            quantize(tmp / base_name, tmp / filename, quant, n_threads, cfg.export.token_embedding_type)
+            quantize(tmp / base_name, tmp / filename, quant, n_threads, cfg.export.token_embedding_type,
+                     tensor_types)
         timing[f"quantize_{quant}_seconds"] = round(time.time() - t0, 2)
         check_loads_cleanly(tmp / filename, accepted)
         files[quant] = filename
@@ -436,12 +441,14 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
         if auto and report["gate"][quant]["passed"]:
             break
     chosen = gq.choose({q: {"gate": report["gate"][q]} for q in tried}, tried)
-    if auto:  # only the chosen quant ships (the others are in the table)
+    base = OUTTYPE_NAME[outtype]
+    if auto:  # only the chosen quant ships (the others are in the table); none passing: the F16 file if it passed
+        chosen = gq.auto_fallback(chosen, base, report["gate"])
         keep = chosen or (tried[-1] if tried else None)
         for q in tried:
             if q != keep:
                 (tmp / files.pop(q)).unlink()
-    report["ladder"] = ladder_rows(report, tried, primary)
+    report["ladder"] = ladder_rows(report, tried + ([base] if chosen == base else []), primary)
     serve_quant = serve_choice(cfg, auto, chosen, tried, files)
     report["serve_quant"] = serve_quant
     report["chosen_quant"] = chosen

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-KEYS = ["general.architecture", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+KEYS = ["general.architecture", "general.name", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
         "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token",
         "tokenizer.chat_template"]
 

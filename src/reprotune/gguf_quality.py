@@ -86,15 +86,45 @@ def compute_imatrix(src: Path, f16: Path, text: str, work: Path, out: Path, chun
 
 
 def quantize_with_tool(src: Path, work: Path, f16_name: str, out_name: str, quant: str, threads: int,
-                       imatrix: str | None, token_embedding_type: str | None) -> str:
-    """llama-quantize in work/ (relative names: the GGUF records the imatrix file by the name it was given)."""
+                       imatrix: str | None, token_embedding_type: str | None,
+                       tensor_types: Mapping[str, str] | None = None) -> str:
+    """llama-quantize in work/ (relative names: the GGUF records the imatrix file by the name it was given);
+    tensor_types: {regex of tensor names: ggml type}, each a --tensor-type (the recipe's choice for the others)."""
     cmd: list[Any] = [tool(src, "llama-quantize")]
     if imatrix:
         cmd += ["--imatrix", imatrix]
     if token_embedding_type:
         cmd += ["--token-embedding-type", token_embedding_type]
+    for pattern, type_name in (tensor_types or {}).items():
+        cmd += ["--tensor-type", f"{pattern}={type_name}"]
     cmd += [f16_name, out_name, quant, str(threads)]
     return run_tool(cmd, work, f"llama-quantize {quant}")
+
+
+def tensor_types(setting: Sequence[str] | None) -> dict[str, str]:
+    """export.tensor_types, checked: a list of 'PATTERN=TYPE' as llama-quantize's --tensor-type takes them (PATTERN
+    a regular expression searched in each tensor name, e.g. 'attn_v=q8_0', 'token_embd=q8_0'): {pattern: type}."""
+    import re
+
+    out: dict[str, str] = {}
+    for item in setting or []:
+        pattern, sep, type_name = str(item).rpartition("=")
+        if not sep or not pattern:
+            raise ReprotuneError(f"export.tensor_types: {item!r} is not PATTERN=TYPE (e.g. attn_v=q8_0)")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ReprotuneError(f"export.tensor_types: {pattern!r} is not a regular expression ({err})") from None
+        if type_name.upper() not in GGML_TYPES:
+            raise ReprotuneError(f"export.tensor_types: {item!r}: unknown ggml type {type_name!r} "
+                                 f"(one of {', '.join(t.lower() for t in GGML_TYPES)})")
+        out[pattern] = type_name.lower()
+    return out
+
+
+# the tensor types llama-quantize's --tensor-type takes (its own list, tools/quantize: a quantized or float type)
+GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K",
+              "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
 
 
 # ----------------------------------------------------------------------------------------------- gate
@@ -141,6 +171,15 @@ def ladder(quant: Any, steps: Sequence[str]) -> list[str]:
 def choose(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> str | None:
     """The first quant in `order` (smallest first) whose gate passed, or None."""
     return next((q for q in order if q in results and results[q]["gate"]["passed"]), None)
+
+
+def auto_fallback(chosen: str | None, base: str, gates: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """export.quant=auto's pick: the smallest quant that passed; when none did, the unquantized file (F16) if it
+    passed, so that make serve serves a model that answers like the trained one (at its full size) rather than a
+    small one that does not; else None (the largest quant tried ships, marked failed)."""
+    if chosen is not None:
+        return chosen
+    return base if base in gates and gates[base]["passed"] else None
 
 
 def summary_line(name: str, filename: str, size: int, greedy: Mapping[str, Any], gate_: Mapping[str, Any],
