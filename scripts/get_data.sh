@@ -11,13 +11,22 @@ up_to_date() { "$DVC" status data.dvc 2>/dev/null | grep -q "up to date"; }
 
 # A stage target of a project that names its own data (make init's conf/project/current.yaml, or data.path=... in
 # ARGS) reads data.path, not the built-in invoices (prepare's DVC dependency is data.path itself): nothing to get,
-# and nothing to print. The test lanes (OWN_DATA_OK=0) still need data/raw: the suite reads the built-in data.
+# and nothing to print. A data.path inside data/raw is the built-in data's place: still got. The test lanes
+# (OWN_DATA_OK=0) always get it: the suite reads the built-in data.
 own_data() {
-  [[ " ${ARGS:-} " == *" data.path="* ]] && return 0
-  [ -f conf/project/current.yaml ] || return 1
-  "$PY" -c 'import sys, yaml
-data = (yaml.safe_load(open(sys.argv[1])) or {}).get("data") or {}
-sys.exit(0 if data.get("path") else 1)' conf/project/current.yaml
+  "$PY" - "${ARGS:-}" <<'PYEOF'
+import os, shlex, sys
+import yaml
+path = None
+if os.path.isfile("conf/project/current.yaml"):
+    with open("conf/project/current.yaml") as f:
+        path = ((yaml.safe_load(f) or {}).get("data") or {}).get("path")
+for arg in shlex.split(sys.argv[1]):
+    if arg.startswith("data.path="):
+        path = arg.split("=", 1)[1]
+builtin = path is not None and os.path.normpath(str(path)).split(os.sep)[:2] == ["data", "raw"]
+sys.exit(0 if path and not builtin else 1)
+PYEOF
 }
 if [ "${OWN_DATA_OK:-0}" = 1 ] && own_data; then exit 0; fi
 

@@ -218,3 +218,12 @@ def test_a_stage_of_an_own_data_project_does_not_generate_the_builtin_invoices(t
 def test_a_stage_of_the_builtin_project_generates_the_invoices(tmp_path: Path) -> None:
     _get_data(tmp_path, "1", "train.max_steps=3")
     assert (tmp_path / "data/raw/invoices.jsonl").is_file()
+
+
+def test_a_stage_pointed_back_at_the_builtin_data_still_gets_it(tmp_path: Path) -> None:
+    """make eval ARGS="data.path=data/raw/invoices.jsonl" in an own-data project: the built-in data is what it
+    names, so it is got (and the runner then refuses the other run's outputs, tests/test_user_data.py)."""
+    (tmp_path / "conf/project").mkdir(parents=True)
+    (tmp_path / "conf/project/current.yaml").write_text("data:\n  path: /x/dates.jsonl\n")
+    _get_data(tmp_path, "1", "data.path=./data/raw/invoices.jsonl")
+    assert (tmp_path / "data/raw/invoices.jsonl").is_file()
