@@ -75,7 +75,9 @@ def write_data(root: Path, model_dir: str, n: int, tokens: int) -> dict:
 
 
 def parse(run: str) -> tuple[str, int, set[str]]:
-    """METHOD@TOKENS[xROWS][+flag...][#N] -> (method, tokens, flags); rows travel as the flag "rowsN"."""
+    """METHOD@TOKENS[xROWS][+flag...][#N] -> (method, tokens, flags); rows travel as the flag "rowsN".
+
+    Flags: offload, tiled[N] (tiled MLP, N tokens a tile), strict / fast (repro mode; the default otherwise)."""
     spec, _, _repeat = run.partition("#")
     head, *flags = spec.split("+")
     method, _, tokens = head.partition("@")
@@ -92,7 +94,7 @@ def run_overrides(method: str, tokens: int, flags: set[str], steps: int) -> list
            f"hardware.tiled_mlp={any(f.startswith('tiled') for f in flags)}".lower()]
     tiles = [f.removeprefix("tiled") for f in flags if f.startswith("tiled") and f != "tiled"]
     out += [f"hardware.tiled_mlp_tokens={int(tiles[0])}"] if tiles else []  # +tiled8192: tiles of 8,192 tokens
-    return out + (["repro=strict"] if "strict" in flags else [])
+    return out + [f"repro={mode}" for mode in ("strict", "fast") if mode in flags]
 
 
 def ours(model: str, root: Path, overrides: list[str]) -> dict:

@@ -3,18 +3,22 @@
     python bench/train_probe.py --memory-peak -- objective=dpo model=qwen3_8b_random ...   # what is live at the peak
     python bench/train_probe.py --liger-off rope,swiglu -- objective=dpo ...               # Liger without some kernels
     python bench/train_probe.py --trl-host-path -- objective=dpo ...                       # TRL's adapter switch
+    python bench/train_probe.py --cpu-profile 25 -- hardware.num_threads=2 ...              # where CPU time goes
 
 --memory-peak records every CUDA allocation from the start (torch.cuda.memory._record_memory_history), replays
 them after training and prints the allocations live at the peak, summed by where they were made (the innermost
 frame in reprotune, TRL, PEFT, transformers, Liger or torch.utils.checkpoint), largest first.
 --trl-host-path: TRL's reference-adapter switch and the Trainer's per-micro-step FLOPs count as TRL and transformers
 have them (reprotune.preference.trainers.light_use_adapter and its cached count off).
+--cpu-profile N: torch.profiler over the whole run (CPU activities), the N ops with the most self CPU time; run it
+once with the default (pinned) kernels and once with hardware.cpu_kernels=native to see where pinned mode's time goes.
 --liger-off: the Liger kernels (Liger's own names: rope, swiglu, rms_norm) to leave out of train's apply_liger.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -60,8 +64,10 @@ def main() -> None:
     parser.add_argument("--liger-off", default="")
     parser.add_argument("--trl-host-path", action="store_true",
                         help="TRL's use_adapter and the Trainer's FLOPs count as they are (the A/B of the light ones)")
+    parser.add_argument("--cpu-profile", type=int, default=0, metavar="N")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    importlib.import_module("reprotune")  # pins the CPU kernels from the command line before torch loads
     import torch
 
     from reprotune import train
@@ -84,8 +90,17 @@ def main() -> None:
     if args.memory_peak:
         torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
     sys.argv = ["reprotune.train", *args.overrides]
+    profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+                if args.cpu_profile else None)
     try:
-        train.main()
+        if profiler:
+            with profiler:
+                train.main()
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_profile))
+            print(profiler.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total",
+                                                                         row_limit=args.cpu_profile))
+        else:
+            train.main()
     finally:
         if args.memory_peak:
             peak, groups = live_at_peak(torch.cuda.memory._snapshot())

@@ -19,7 +19,8 @@ from reprotune.config import dump_params
 from .conftest import REPO
 
 PROBE = ("import reprotune, torch, os, json; print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(),"
-         " 'env': {k: os.environ.get(k) for k in ('ATEN_CPU_CAPABILITY', 'MKL_CBWR', 'REPROTUNE_CPU_KERNELS')}}))")
+         " 'env': {k: os.environ.get(k) for k in ('ATEN_CPU_CAPABILITY', 'MKL_CBWR', 'OMP_WAIT_POLICY',"
+         " 'REPROTUNE_CPU_KERNELS')}}))")
 
 
 def probe(*argv: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
@@ -55,8 +56,11 @@ def test_a_users_level_is_overridden_with_one_line_and_native_gives_it_back() ->
     assert pinned["capability"] == level.upper()  # forced below the user's (and the CPU's) level, to the pinned one
     assert pinned["env"]["ATEN_CPU_CAPABILITY"] == kernels.pinned_env()["ATEN_CPU_CAPABILITY"]
     assert err.count("reprotune: ATEN_CPU_CAPABILITY=default overridden to") == 1
+    if platform.machine().lower() in ("x86_64", "amd64"):  # the route's sgemm threads beside torch's OpenMP ones
+        assert pinned["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     native, err = probe("hardware.cpu_kernels=native", env={"ATEN_CPU_CAPABILITY": "default"})
     assert native["capability"] == "DEFAULT" and native["env"]["MKL_CBWR"] is None and "overridden" not in err
+    assert native["env"]["OMP_WAIT_POLICY"] is None  # native keeps OpenMP's own waiting
     assert native["env"]["REPROTUNE_CPU_KERNELS"] == "native"
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from reprotune import kernels
 from reprotune.config import compose
 from reprotune.kernels import PINNED_THREADS
 from reprotune.manifest import cpu_state, package_versions
@@ -95,10 +96,8 @@ def child_run(root: Path, env: dict[str, str], *overrides: str, launcher: tuple[
     a command the interpreter runs under (an emulated CPU)."""
     _workspace(root)
     cmd = [*launcher, sys.executable, "-m", "reprotune.train", *RUN, f"paths.root={root}", *overrides]
-    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS",
-                                                              "REPROTUNE_CPU_KERNELS", "REPROTUNE_USER_CPU_ENV",
-                                                              "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
-                                                              "ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
+    clean = {k: v for k, v in os.environ.items() if k not in {*kernels._all_pinned_names(), "OMP_NUM_THREADS",
+                                                              "REPROTUNE_CPU_KERNELS", "REPROTUNE_USER_CPU_ENV"}}
     proc = subprocess.run(cmd, env={**clean, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((root / "outputs/train/manifest.json").read_text())

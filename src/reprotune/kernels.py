@@ -41,9 +41,14 @@ SET_ENV = "REPROTUNE_CPU_ENV_SET"  # the variables pinned mode set (a native chi
 #   ONEDNN_MAX_CPU_ISA: oneDNN's JIT level (convolutions, some matmuls, bf16 paths).
 #   OPENBLAS_CORETYPE: OpenBLAS's kernel set and blocking. On x86-64 the float32 matrix products run on it
 #     (numpy's bundled OpenBLAS, MATMUL below); on aarch64 torch's own BLAS is OpenBLAS.
+#   OMP_WAIT_POLICY: not a level, a speed setting (the bytes do not depend on it). The route's matrix-product
+#     pieces run on threads of its own beside torch's OpenMP threads, which by default spin for a while after each
+#     parallel region and so took a core from the pieces: on 2 cores the products ran at half speed inside
+#     training (bench/train_probe.py --cpu-profile; docs/measurements/2026-12-07-cpu-pinned-2-threads.md).
+#     PASSIVE makes them sleep at once.
 PINNED: dict[str, dict[str, str]] = {
     "x86_64": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-               "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell"},
+               "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell", "OMP_WAIT_POLICY": "PASSIVE"},
     "aarch64": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "ASIMD", "OPENBLAS_CORETYPE": "ARMV8"},
 }
 # MKL's reproducible branches hold for a fixed thread count only (its work split follows the threads: 1 and 2
