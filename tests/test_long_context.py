@@ -143,11 +143,34 @@ def _decide(overrides: list[str], hw: d.Hardware) -> d.RunSettings:
     return d.decide(cfg, hw, None, None)
 
 
+# FlashAttention's deterministic backward (the default on CUDA, issue #51) keeps ceil(SMs / (sequences x heads))
+# fp32 dQ sums: one 96k sequence on a 24 GB card's 128 SMs gets 4 of 1.5 GiB. The long-context fits of issue #27
+# were made with atomic adds, which repro=fast keeps.
+FAST = ["repro=fast"]
+
+
 def test_96k_qlora_fits_a_24_gb_card_with_offloading_and_tiles() -> None:
-    run = _decide(["model=qwen3_8b", "method=qlora", "data.max_length=98304"], d.card("RTX 4090"))
+    run = _decide(["model=qwen3_8b", "method=qlora", "data.max_length=98304", *FAST], d.card("RTX 4090"))
     assert run.fits and run.activation_checkpointing and run.activation_offloading and run.tiled_mlp_tokens
     assert run.predicted["card_gib"] <= 22.0 and run.predicted["host_offload_gib"] > 20
     assert any("activation offloading" in r for r in run.reasons) and any("tiles" in r for r in run.reasons)
+
+
+def test_the_deterministic_backward_counts_its_dq_sums() -> None:
+    """Default vs repro=fast, 96k QLoRA: the backward transient differs by exactly (splits - 1) fp32 copies of dQ
+    (H100: ceil(132 / 32) = 5 sums, the 6.0 GiB measured between 22.85 and 16.84 GiB peaks); a packed batch of
+    many short sequences (the built-in SFT shape) needs no extra sum; the 24 GB card no longer fits the default."""
+    args = ["model=qwen3_8b", "method=qlora", "data.max_length=98304", "hardware.tiled_mlp_tokens=16384"]
+    for card, splits in (("H100", 5), ("RTX 4090", 4)):
+        default, fast = (_decide([*args, *extra], d.card(card)) for extra in ([], FAST))
+        extra_gib = (splits - 1) * (98304 + 128) * 32 * 128 * 4 / GIB
+        delta = default.predicted["parts_gib"]["backward_transient"] - fast.predicted["parts_gib"]["backward_transient"]
+        assert abs(delta - extra_gib) < 0.01, (card, delta, extra_gib)
+    assert not _decide(args, d.card("RTX 4090")).fits
+    short = ["model=qwen3_8b", "method=lora", "data.max_length=4096", "train.per_device_train_batch_size=8"]
+    same = [_decide([*short, *extra], d.card("H100")).predicted["parts_gib"]["backward_transient"]
+            for extra in ([], FAST)]
+    assert same[0] == same[1]
 
 
 def test_the_fit_takes_the_largest_tile_that_fits_and_a_named_one() -> None:
@@ -155,7 +178,7 @@ def test_the_fit_takes_the_largest_tile_that_fits_and_a_named_one() -> None:
     fit takes the large tile where it fits, the small one where only that fits, never a tile the whole sequence
     fits in (it would change nothing), and exactly hardware.tiled_mlp_tokens when that is set."""
     card = d.card("RTX 4090")
-    qlora = ["model=qwen3_8b", "method=qlora"]
+    qlora = ["model=qwen3_8b", "method=qlora", *FAST]
     assert _decide([*qlora, "data.max_length=98304"], card).tiled_mlp_tokens == 16384
     tight = _decide([*qlora, "data.max_length=114688"], card)  # 112k: only the 4,096-token tiles fit
     assert tight.fits and tight.tiled_mlp_tokens == 4096, tight.reasons
@@ -170,7 +193,7 @@ def test_the_fit_takes_the_largest_tile_that_fits_and_a_named_one() -> None:
 def test_the_techniques_come_only_when_needed_and_in_order() -> None:
     """16k QLoRA fits a 24 GB card checkpointed alone; 48k needs the layer inputs offloaded; 96k also the tiled
     MLP; a 16-bit LoRA of 96k on the H200 (its budget: 90% of the card, QLoRA's is a 24 GB card's) none of them."""
-    picks = {n: _decide(["model=qwen3_8b", "method=qlora", f"data.max_length={n}"], d.card("RTX 4090"))
+    picks = {n: _decide(["model=qwen3_8b", "method=qlora", f"data.max_length={n}", *FAST], d.card("RTX 4090"))
              for n in (16384, 49152, 98304)}
     assert [(p.activation_offloading, bool(p.tiled_mlp_tokens)) for p in picks.values()] == [
         (False, False), (True, False), (True, True)]
@@ -225,7 +248,7 @@ def test_make_plan_names_the_technique(tmp_path: Path) -> None:
 
     cfg = compose(["model=qwen3_8b", "method=qlora", "hardware=gpu", f"paths.root={tmp_path}",
                    "data.max_length=98304", "train.per_device_train_batch_size=1",
-                   "train.gradient_accumulation_steps=1"])
+                   "train.gradient_accumulation_steps=1", *FAST])
     text = format_plan(make_plan(cfg))
     row = next(line for line in text.splitlines() if line.strip().startswith("24 GB"))
     assert "offloaded to host" in row and "tiles" in row, row

@@ -5,7 +5,10 @@ the Mistral-7B calibration run moved the Liger SwiGLU rule from -2.0 to -1.8 byt
 45 gemma3_270m rows recorded when that preset was added, from the one decision; 42 "long"/"huge" rows re-recorded
 for issue #27, all toward activation offloading and the tiled MLP, 12 of them runs that used to be refused; two
 re-recorded when the tiles' own cost was measured (8B Llama-shape LoRA/DoRA, 4x4096 rows, 24 GB: 2 rows without
-offloading instead of 4 offloaded rows in 4,096-token tiles)). No GPU:
+offloading instead of 4 offloaded rows in 4,096-token tiles); 34 "huge" (32k-token) rows re-recorded when the
+memory model counted FlashAttention's deterministic backward's dQ accumulators (issue #51: ceil(SMs / (sequences x
+heads)) fp32 copies of dQ; a micro-batch of one or two 32k sequences gets several), all toward more checkpointing,
+offloading, or a stop with QLoRA suggested). No GPU:
 a described card drives the CUDA branch."""
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ class Settings:
                               # reference, both under no_grad
     full_logits: bool = False  # ORPO: the logits of every position (TRL's ORPO trainer has no fused LM head)
     host_embedding: bool = False  # the frozen input embedding in host memory (reprotune.host_embedding)
+    # FlashAttention's deterministic backward (the varlen kernels under repro=default/strict on CUDA) sums dQ in
+    # ceil(SMs / (sequences x heads)) fp32 accumulators instead of one: the card's SM count, 0 where it does not run
+    dq_split_sms: int = 0
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from reprotune.families import LLAMA_STYLE
 from reprotune.models import random_init_architecture
 from reprotune.objectives import objective
 from reprotune.run_settings import RunSettings
-from reprotune.runtime import attention, resolve_dtype
+from reprotune.runtime import attention, deterministic_kernels, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import (
     GIB,
@@ -63,12 +63,14 @@ class Hardware:
     # torch's FlashAttention varlen kernel (torch >= 2.10 on sm80+: every card of conf/plan/throughput.yaml)
     varlen_attention: bool = True
     host_available_bytes: float | None = None  # host memory offloaded activations may take (None: not checked)
+    multiprocessors: int = 0  # the GPU's SM count (FlashAttention's deterministic backward sizes its dQ sums by it)
 
 
 def card(gpu: str, world_size: int = 1) -> Hardware:
     """A GPU of conf/plan/throughput.yaml, all of its usable memory free, with the CUDA lock's packages."""
-    gib = load_tables()["throughput"]["gpus"][gpu]["memory_gib"]
-    return Hardware(device="cuda", free_bytes=gib * GIB, name=gpu, world_size=world_size)
+    spec = load_tables()["throughput"]["gpus"][gpu]
+    return Hardware(device="cuda", free_bytes=spec["memory_gib"] * GIB, name=gpu, world_size=world_size,
+                    multiprocessors=int(spec["multiprocessors"]))
 
 
 def liger_available() -> bool:
@@ -85,7 +87,8 @@ def detect(device: str) -> Hardware:
     return Hardware(device="cuda", free_bytes=float(torch.cuda.mem_get_info()[0]),
                     name=torch.cuda.get_device_name(), liger_installed=liger_available(), world_size=world,
                     varlen_attention=varlen_attention.available() and torch.cuda.get_device_capability() >= (8, 0),
-                    host_available_bytes=host_available_bytes(world))
+                    host_available_bytes=host_available_bytes(world),
+                    multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 def host_available_bytes(processes: int = 1) -> float | None:
@@ -152,6 +155,7 @@ class _Paths:
     optim: str
     workers: int
     reasons: tuple[str, ...]
+    dq_split_sms: int = 0  # Settings.dq_split_sms
 
 
 # transformers' per-tensor AdamW takes the square root of its second moment from torch.sqrt, which on a CPU is MKL's
@@ -208,7 +212,15 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
         reasons.append(f"DataLoader workers: {workers}; the collator packs the next micro-batches (and gathers the host "
                        "embedding's rows) while the GPU computes, not at each step's start")
     return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
-                  fused=fused, optim=optim, workers=workers, reasons=tuple(reasons))
+                  fused=fused, optim=optim, workers=workers, reasons=tuple(reasons),
+                  dq_split_sms=dq_split_sms(cfg, hw, attn))
+
+
+def dq_split_sms(cfg: DictConfig, hw: Hardware, attn: str | None) -> int:
+    """The SM count FlashAttention's deterministic varlen backward splits dQ by on `hw` (Settings.dq_split_sms), 0
+    where atomic adds run (repro=fast) or another kernel does."""
+    varlen = attn in ("varlen_attention", "pair_varlen")
+    return hw.multiprocessors if varlen and deterministic_kernels(str(cfg.repro), hw.device) else 0
 
 
 def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
@@ -399,7 +411,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
                     tiled_mlp=tile_tokens(cfg) if tiled else 0,
-                    host_embedding=_forced_on(cfg.hardware.embedding_on_host), **padded)
+                    host_embedding=_forced_on(cfg.hardware.embedding_on_host), dq_split_sms=p.dq_split_sms, **padded)
 
 
 def _forced_on(value: Any) -> bool:
