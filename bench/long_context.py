@@ -115,8 +115,17 @@ def ours(model: str, root: Path, overrides: list[str]) -> dict:
             "adapter_sha256": manifest["outputs"]["adapter"]["sha256"]}
 
 
-def planned(model: str, method: str, tokens: int, budget_gib: float, extra: list[str]) -> dict:
-    """What make plan says of this length on a card of budget_gib (the fit free to choose)."""
+def gpu_multiprocessors() -> int:
+    """The SM count of the GPU this runs on (FlashAttention's deterministic backward sizes its dQ sums by it), or
+    an H100's 132 without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+
+
+def planned(model: str, method: str, tokens: int, budget_gib: float, extra: list[str], sms: int) -> dict:
+    """What make plan says of this length on a card of budget_gib and `sms` multiprocessors (the fit free to
+    choose)."""
     from reprotune.config import compose
     from reprotune.sizing import decide as d
     from reprotune.sizing.fit import describe
@@ -124,21 +133,23 @@ def planned(model: str, method: str, tokens: int, budget_gib: float, extra: list
     cfg = compose([f"model={model}", f"method={method}", "hardware=gpu", "paths.prepared=/nonexistent",
                    f"data.max_length={tokens}", "train.per_device_train_batch_size=1",
                    "train.gradient_accumulation_steps=1", f"hardware.memory_budget_gib={budget_gib}", *extra])
-    run = d.decide(cfg, d.Hardware(device="cuda", free_bytes=budget_gib * 2**30, name="budget"), None, None)
+    run = d.decide(cfg, d.Hardware(device="cuda", free_bytes=budget_gib * 2**30, name="budget", multiprocessors=sms),
+                   None, None)
     return {"fits": run.fits, "setting": describe(run.planned), "peak_gib": run.predicted["peak_gib"],
             "card_gib": run.predicted["card_gib"], "host_gib": run.predicted["host_offload_gib"],
             "offload": run.planned.offload, "tiled": run.planned.tiled_mlp}
 
 
-def longest_planned(model: str, method: str, budget_gib: float, extra: list[str]) -> tuple[int, dict] | None:
+def longest_planned(model: str, method: str, budget_gib: float, extra: list[str],
+                    sms: int) -> tuple[int, dict] | None:
     """The longest length (a multiple of 1,024 tokens) the plan fits in budget_gib, and its plan."""
     lo, hi = 0, 1024
-    while planned(model, method, hi, budget_gib, extra)["fits"] and hi < 1 << 22:
+    while planned(model, method, hi, budget_gib, extra, sms)["fits"] and hi < 1 << 22:
         lo, hi = hi, hi * 2
     while hi - lo > 1024:
         mid = (lo + hi) // 2 // 1024 * 1024
-        lo, hi = (mid, hi) if planned(model, method, mid, budget_gib, extra)["fits"] else (lo, mid)
-    return (lo, planned(model, method, lo, budget_gib, extra)) if lo else None
+        lo, hi = (mid, hi) if planned(model, method, mid, budget_gib, extra, sms)["fits"] else (lo, mid)
+    return (lo, planned(model, method, lo, budget_gib, extra, sms)) if lo else None
 
 
 def card_table(model: str, extra: list[str]) -> None:
@@ -154,7 +165,7 @@ def card_table(model: str, extra: list[str]) -> None:
             continue
         budget = 22.0 if size == 24 else round(0.9 * tp["gpus"][gpu]["memory_gib"], 1)
         for method in ("qlora", "lora"):
-            found = longest_planned(model, method, budget, extra)
+            found = longest_planned(model, method, budget, extra, int(tp["gpus"][gpu]["multiprocessors"]))
             if not found:
                 print(f"| {size} GB | {method} | - | does not fit | | | |")
                 continue
@@ -166,11 +177,12 @@ def card_table(model: str, extra: list[str]) -> None:
 def longest(args, model_dir: str) -> dict:
     method, budget = args.longest, args.budget_gib
     extra = [o for o in args.overrides if o.startswith("model.")]
-    found = longest_planned(args.model, method, budget, extra)  # the plan's longest; then measured, stepping down
+    sms = gpu_multiprocessors()
+    found = longest_planned(args.model, method, budget, extra, sms)  # the plan's longest; then measured, stepping down
     lo = found[0] if found else 16384
     length, results = lo, {}
     while length >= 4096:
-        plan = planned(args.model, method, length, budget, extra)
+        plan = planned(args.model, method, length, budget, extra, sms)
         flags = {f for f, on in (("offload", plan["offload"]), ("tiled", plan["tiled"])) if on}
         root = args.out / f"longest-{method}-{length}"
         write_data(root, model_dir, 2, length)
