@@ -179,7 +179,8 @@ def objective_wins(train_keys: dict[str, Any], objective_keys: dict[str, Any]) -
 
 def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
-    _, config_class = trl_classes(objective(cfg).name)
+    obj = objective(cfg)
+    _, config_class = trl_classes(obj.name)
     skip = sft_only_keys(config_class)
     keys = {k: v for k, v in library_keys(cfg, "train").items() if k not in skip}
     own = library_keys(cfg, "objective")
@@ -203,7 +204,7 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
         keys["activation_offloading"] = run.activation_offloading
     elif run.activation_offloading:
         raise ReprotuneError(f"hardware.activation_offloading=true: TRL's {config_class.__name__} has no "
-                             f"activation offloading (objective={objective(cfg).name}); leave it auto or false")
+                             f"activation offloading (objective={obj.name}); leave it auto or false")
     return config_class(**keys)
 
 
