@@ -62,7 +62,11 @@ def test_params_yaml_in_sync_with_conf(tmp_path: Path) -> None:
     sft, pref = (yaml.safe_load((tmp_path / n).read_text()) for n in ("params.yaml", "params_pref.yaml"))
     assert sft["objective"] == {"name": "sft"} and pref["objective"]["name"] == "dpo"
     assert pref["objective"]["init_adapter"] == "./outputs/adapter"  # the SFT adapter: the chain sft -> dpo
-    assert {k: v for k, v in sft.items() if k != "objective"} == {k: v for k, v in pref.items() if k != "objective"}
+    assert {k: v for k, v in sft.items() if k not in ("objective", "paths")} == {
+        k: v for k, v in pref.items() if k not in ("objective", "paths")}
+    # the paths differ by the chain's own (conf/objective/paths/preference.yaml) alone
+    own = yaml.safe_load((CONF_DIR / "objective/paths/preference.yaml").read_text())
+    assert pref["paths"] == {**sft["paths"], **own} and own["adapter"] != sft["paths"]["adapter"]
 
 
 def test_a_preference_run_writes_both_chains_from_one_set_of_args(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from reprotune.preference.pairs import lengths_bytes, sequence_lengths
 from reprotune.sizing import draws
 from reprotune.sizing import memory as sz_memory
 from reprotune.sizing.decide import Hardware, decide
+from reprotune.sizing.shape import load_table
 
 GIB = 2**30
 N_PAIRS = 11  # B = 2: every epoch ends on a short batch of one pair
@@ -190,7 +191,7 @@ def test_eager_scores_of_drawn_pairs_stay_bounded_by_the_longest_pair(tmp_path: 
     s, data = run.planned, sz_shape_of(tmp_path, cfg)
     assert s.eager_attention and sz_memory.drawn_tokens(s, data)
     tokens = sz_memory.drawn_tokens(s, data)
-    consts = sz_memory.load_table("memory.yaml")
+    consts = load_table("memory.yaml")
     from reprotune.sizing.shape import model_shape
 
     shape = model_shape(cfg.model)

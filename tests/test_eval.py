@@ -241,7 +241,7 @@ def test_a_failure_while_writing_keeps_the_previous_set(tiny_adapter: Path, monk
     whole new set whose manifest hashes the files that are there."""
     import hashlib
 
-    from reprotune import evaluate as ev
+    from reprotune.evaluation import report as ev  # write_outputs calls its plot_comparison
 
     out = tiny_adapter / "eval_atomic"
     evaluate(compose(eval_overrides(tiny_adapter, "eval_atomic")))

@@ -115,27 +115,29 @@ def test_bad_task_config_names_the_key(task: dict, message: str) -> None:
 
 def test_text_task_report_without_a_model(tmp_path) -> None:
     """The report path for a free-text task and a prompt baseline, from hand-made predictions."""
-    from reprotune import evaluate as ev
+    from reprotune.evaluation import report as ev_report
+    from reprotune.evaluation import scoring
+    from reprotune.evaluation.generation import SystemRun
 
     task = {"type": "text", "metrics": [{"name": "has_paris", "kind": "regex", "pattern": "Paris"}]}
     names = mx.metric_names(task)
     refs = ["Paris is the capital.", "Berlin"]
     preds = {"base": ["It is Paris.", "Bonn"], "tuned": ["Paris is the capital.", "Berlin"],
              "baseline": ["Paris", "Berlin"]}
-    runs = {s: ev.SystemRun(p, [3, 1], nll=[1.0, 2.0] if s != "baseline" else [],
+    runs = {s: SystemRun(p, [3, 1], nll=[1.0, 2.0] if s != "baseline" else [],
                             n_tokens=[2, 2] if s != "baseline" else []) for s, p in preds.items()}
     scores = {s: [mx.score(p, r, task) for p, r in zip(preds[s], refs, strict=True)] for s in preds}
-    metrics = ev.build_metrics({s: ev.summarise(runs[s], scores[s], names) for s in runs}, 2)
+    metrics = scoring.build_metrics({s: scoring.summarise(runs[s], scores[s], names) for s in runs}, 2)
     assert metrics["tuned"]["exact_match"] == 1.0 and metrics["base"]["exact_match"] == 0.0
     assert metrics["base"]["loss"] == 0.75 and "loss" not in metrics["baseline"]
     assert metrics["delta_tuned_vs_baseline"]["exact_match"] == 0.5
     records = [{"index": i, "input": "q", "reference": refs[i], "predictions": {s: preds[s][i] for s in preds},
                 "scores": {s: scores[s][i] for s in preds}} for i in range(2)]
     cfg = compose(["eval.report_examples=1"])
-    table = ev.write_report(tmp_path / "report.md", cfg, metrics, records, names, mx.primary_metric(task))
+    table = ev_report.write_report(tmp_path / "report.md", cfg, metrics, records, names, mx.primary_metric(task))
     report = (tmp_path / "report.md").read_text()
     assert table in report and "| rougeL |" in table and "| has_paris |" in table
     assert "| exact_match | 0.0% | 100.0% | 50.0% | +100.0 pp | +50.0 pp |" in table
     assert "(2 of 2; 1 shown" in report and report.count("### Example") == 1
-    ev.plot_comparison(metrics, names, tmp_path / "comparison.png")
+    ev_report.plot_comparison(metrics, names, tmp_path / "comparison.png")
     assert (tmp_path / "comparison.png").read_bytes()[:4] == b"\x89PNG"

@@ -44,7 +44,7 @@ def test_eval_steps_logs_eval_loss_on_a_split_of_train(workspace: tuple[Path, li
     # both curves on the plot: it differs from the plot of the same run without eval points
     with_eval = (root / "outputs/train/loss.png").read_bytes()
     assert with_eval[:8] == b"\x89PNG\r\n\x1a\n"
-    from reprotune.train import loss_curves, plot_loss
+    from reprotune.train_outputs import loss_curves, plot_loss
 
     plot_loss(loss_curves([{"step": s, "loss": v} for s, v in curves["train"]]), root / "train_only.png")
     assert (root / "train_only.png").read_bytes() != with_eval

@@ -73,8 +73,6 @@ def test_merge_pref_merges_the_preference_adapter_with_parity(exported: dict) ->
 
     from reprotune.merge import compare_logits, logits_of, parity_batches, read_holdout
     from reprotune.models import load_float32, load_tokenizer, resolve_model_dir
-    from reprotune.preference import route_paths
-
     root = exported["root"]
     out = root / "outputs/pref/merged"
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "parity.json"):
@@ -94,7 +92,7 @@ def test_merge_pref_merges_the_preference_adapter_with_parity(exported: dict) ->
 
     # the merged model is base + the trained preference adapter (one whole adapter: the SFT weights trained
     # further), not base + the SFT adapter it started from, nor the two stacked
-    cfg = route_paths(compose(exported["over"]))
+    cfg = compose(exported["over"])
     tokenizer = load_tokenizer(out)
     batches = parity_batches(tokenizer, read_holdout(cfg)[:3])
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
@@ -190,12 +188,14 @@ def test_make_verify_reruns_a_preference_train_from_its_start_adapter(trained: t
 
 
 def test_export_paths_of_a_preference_run_are_its_own(tmp_path: Path) -> None:
-    from reprotune.preference import route_paths
-
-    cfg = route_paths(compose(["objective=dpo", f"paths.root={tmp_path}"]))
+    cfg = compose(["objective=dpo", f"paths.root={tmp_path}"])  # conf/objective/paths/preference.yaml
     assert (cfg.paths.merged, cfg.paths.gguf, cfg.paths.export_dir) == (
         f"{tmp_path}/outputs/pref/merged", f"{tmp_path}/outputs/pref/gguf", f"{tmp_path}/outputs/pref/export")
-    sft = route_paths(compose([f"paths.root={tmp_path}"]))
+    # its inputs and training outputs too, and it starts from the SFT run's adapter, not its own
+    assert (cfg.paths.prepared, cfg.paths.adapter, cfg.paths.train_dir, cfg.paths.eval_dir, cfg.paths.checkpoints) == (
+        f"{tmp_path}/data/pairs", *(f"{tmp_path}/outputs/pref/{d}" for d in ("adapter", "train", "eval", "checkpoints")))
+    assert cfg.objective.init_adapter == f"{tmp_path}/outputs/adapter"
+    sft = compose([f"paths.root={tmp_path}"])
     assert (sft.paths.merged, sft.paths.gguf) == (f"{tmp_path}/outputs/merged", f"{tmp_path}/outputs/gguf")
 
 

@@ -171,7 +171,7 @@ DISK_FULL_ADAPTER = textwrap.dedent("""
     from peft import LoraConfig, get_peft_model
 
     from reprotune.errors import user_errors
-    from reprotune.train import save_adapter_weights
+    from reprotune.train_outputs import save_adapter_weights
 
     torch.manual_seed(0)
     model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(1000, 1000)),

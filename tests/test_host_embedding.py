@@ -12,6 +12,7 @@ import torch
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.host_embedding import embedding_on_host, why_not_on_host
+from reprotune.run_settings import RunSettings
 from reprotune.sizing import decide as d
 from reprotune.sizing.shape import DataShape, model_shape
 
@@ -75,7 +76,7 @@ BENCH_PAIRS = DataShape(examples=400, max_tokens=1668, mean_tokens=937.6, total_
                         prepared_max_length=2048, tokenizer_model="qwen3_8b_random", overlong=0, source="bench")
 
 
-def _dpo(*extra: str) -> d.RunSettings:
+def _dpo(*extra: str) -> RunSettings:
     cfg = compose(["model=qwen3_8b_random", "objective=dpo", "hardware=gpu", "train.per_device_train_batch_size=4",
                    "train.gradient_accumulation_steps=4", *extra])
     return d.decide(cfg, d.card("H200"), model_shape(cfg.model), BENCH_PAIRS)

@@ -14,6 +14,7 @@ import torch
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.models import load_base_model, resolve_model_dir
+from reprotune.run_settings import RunSettings
 from reprotune.sizing import decide as d
 from reprotune.sizing.fit import describe
 from reprotune.tiled_mlp import tiled_mlp
@@ -137,7 +138,7 @@ def test_a_tiled_run_reruns_to_the_same_bytes_and_records_the_tile(workspace: tu
 
 
 # ------------------------------------------------------------------------------------------------ the plan
-def _decide(overrides: list[str], hw: d.Hardware) -> d.RunSettings:
+def _decide(overrides: list[str], hw: d.Hardware) -> RunSettings:
     cfg = compose(["hardware=gpu", "paths.prepared=/nonexistent", "train.per_device_train_batch_size=1",
                    "train.gradient_accumulation_steps=1", *overrides])
     return d.decide(cfg, hw, None, None)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprotune import speed
+from reprotune import flops
 from reprotune.config import compose
 from reprotune.invoices import generate
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
@@ -279,6 +279,6 @@ def test_qlora_default_budget_is_a_24gb_card() -> None:
 
 def test_step_flops_of_an_8b_shape() -> None:
     # ~7.2e9 dense weights per token: 2 x forward (forward + input gradient) ~ 29 GFLOP, +1 forward recomputed
-    plain = speed.lora_step_flops_per_token(_shape(), 655, recompute=False)
+    plain = flops.lora_step_flops_per_token(_shape(), 655, recompute=False)
     assert 28e9 < plain < 30.5e9
-    assert speed.lora_step_flops_per_token(_shape(), 655, recompute=True) > 1.45 * plain
+    assert flops.lora_step_flops_per_token(_shape(), 655, recompute=True) > 1.45 * plain

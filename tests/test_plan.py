@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from reprotune.config import CONF_DIR, compose
+from reprotune.run_settings import Settings
 from reprotune.sizing import calibration as sz_calibration
 from reprotune.sizing import decide as sz_decide
 from reprotune.sizing import fit as sz_fit
@@ -164,7 +165,7 @@ def test_throughput_constants_are_the_fit_of_the_committed_runs(calibration_rows
     assert sz_calibration.with_constants(tp, fitted) == tp, fitted
 
 
-def _qlora_8b(ckpt: bool, every: int = 1, rows: int = 4) -> tuple[sz_shape.Shape, sz_memory.Settings]:
+def _qlora_8b(ckpt: bool, every: int = 1, rows: int = 4) -> tuple[sz_shape.Shape, Settings]:
     cfg = compose(["model=qwen3_8b_random", "method=qlora", "hardware=gpu", "data.max_length=1100",
                    f"hardware.gradient_checkpointing={str(ckpt).lower()}", f"train.per_device_train_batch_size={rows}",
                    f"++train.activation_checkpointing_kwargs.every_n_layers={every}"])
@@ -378,7 +379,7 @@ def test_preflight_picks_the_fastest_setting_that_fits(tmp_path: Path) -> None:
     consts, shape, data = sz_shape.load_table("memory.yaml"), sz_shape.model_shape(cfg.model), sz_shape.load_data_shape(cfg)
     tp = sz_shape.load_table("throughput.yaml")
 
-    def tps(s: sz_memory.Settings) -> float:
+    def tps(s: Settings) -> float:
         return sz_throughput.model_tokens_per_second(shape, s, data, tp)
 
     roomy, _ = sz_fit.fit_to_budget(sz_decide.configured_settings(cfg), False, shape, data, 100 * GIB, consts)

@@ -1,5 +1,5 @@
 """make plan and train's preflight on padded preference batches (issue #26): ORPO, KTO and DPO with
-train.packing=false, as TRL 1.16's trainers batch them (reprotune.sizing.decide.padded_batch): 2B rows of the
+train.packing=false, as TRL 1.16's trainers batch them (reprotune.sizing.preference_plan.padded_batch): 2B rows of the
 longest sequence for a DPO/ORPO pair, B rows and a KL batch for KTO, the reference forward without gradients."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from reprotune.config import compose
+from reprotune.run_settings import RunSettings
 from reprotune.sizing import decide as sz_decide
 from reprotune.sizing import fit as sz_fit
 from reprotune.sizing import memory as sz_memory
@@ -55,7 +56,7 @@ def cfg_for(tmp_path: Path, *over: str):
     return compose([MODEL, f"paths.root={tmp_path}", "data.max_length=2048", *over])
 
 
-def planned(tmp_path: Path, *over: str, free_gib: float = 139.8) -> sz_decide.RunSettings:
+def planned(tmp_path: Path, *over: str, free_gib: float = 139.8) -> RunSettings:
     return sz_decide.decide(cfg_for(tmp_path, *over), sz_decide.Hardware("cuda", free_gib * GIB, "H200"))
 
 

@@ -477,7 +477,7 @@ def test_make_plan_plans_packed_dpo_and_padded_pairs(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny_peft(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """The tiny base with the session's SFT adapter as the 'tuned' system (it differs from the base)."""
-    from reprotune.evaluate import load_model_and_tokenizer
+    from reprotune.evaluation.generation import load_model_and_tokenizer
 
     root = tiny_adapter_run(tmp_path_factory)
     model, tokenizer, _ = load_model_and_tokenizer(compose(["model=tiny_random", f"paths.root={root}"]), "cpu",
@@ -638,7 +638,7 @@ def test_text_pairs_under_the_json_task_are_one_line_naming_the_row(tmp_path: Pa
 
 
 def test_a_text_row_in_a_message_holdout_is_one_line(tmp_path: Path) -> None:
-    from reprotune.evaluate import read_holdout
+    from reprotune.evaluation.holdout import read_holdout
 
     rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
             {"prompt": "a", "completion": " b", "label": True}]

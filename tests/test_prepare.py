@@ -232,7 +232,7 @@ def test_token_lengths_are_the_tokenizers_own_counts_with_and_without_tools() ->
     """prepare counts tokens through the fast tokenizer's Rust encoder and renders the conversations without
     tools in one call: the counts are tokenizer(apply_chat_template(c, tools=t)) of each conversation, in order,
     and a truncation that a tokenizer.json turns on does not cut them (tokenizer(...) turns it off too)."""
-    from reprotune.prepare import count_tokens, load_tokenizer, token_lengths
+    from reprotune.prepare_lengths import count_tokens, load_tokenizer, token_lengths
 
     cfg = compose(["model=tiny_random", "model.chat_template=conf/chat_templates/qwen2_5_tools.jinja"])
     tokenizer = load_tokenizer(cfg)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from reprotune.errors import ReprotuneError
-from reprotune.formats import MAX_PROBLEMS_PER_FILE, read_dataset, read_file
+from reprotune.formats import read_dataset, read_file
+from reprotune.formats_checks import MAX_PROBLEMS_PER_FILE
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello"}]

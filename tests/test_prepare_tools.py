@@ -11,7 +11,8 @@ import pytest
 
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
-from reprotune.prepare import load_tokenizer, prepare
+from reprotune.prepare import prepare
+from reprotune.prepare_lengths import load_tokenizer
 from tests.conftest import TINY_TRAIN, write_jsonl
 
 QWEN = ["model.chat_template=conf/chat_templates/qwen2_5_tools.jinja",

@@ -25,6 +25,7 @@ import pytest
 
 from reprotune.config import CONF_DIR, compose
 from reprotune.errors import ReprotuneError
+from reprotune.run_settings import RunSettings
 from reprotune.sizing import decide as d
 from reprotune.sizing.fit import describe
 from reprotune.sizing.preflight import preflight, train_shape
@@ -47,12 +48,12 @@ def _cfg(model: str, method: str, variant: str, tmp: Path | None = None):
                     *([f"paths.root={tmp}"] if tmp else []), *VARIANTS[variant]])
 
 
-def _golden_row(pick: d.RunSettings) -> dict:
+def _golden_row(pick: RunSettings) -> dict:
     return {"pick": describe(pick.planned)} if pick.fits else {"stops": True, "fits_with": describe(pick.fallback)
                                                                 if pick.fallback else None}
 
 
-def _train_pick(cfg, gpu: str) -> tuple[d.RunSettings | None, str]:
+def _train_pick(cfg, gpu: str) -> tuple[RunSettings | None, str]:
     """What make train decides on `gpu`: train.train's own call, preflight(cfg, this GPU, train_shape(...)), with
     a model folder holding no config.json (the presets carry their shape). (settings, "") where it fits; (None,
     its one-line refusal) where it stops."""
@@ -136,7 +137,7 @@ def test_llama_style_norms_run_torchs_fused_kernel_where_liger_runs() -> None:
     """hardware.norm_kernel: auto = torch's fused rms_norm for a preference run's Llama-style norms, with Liger's
     other kernels (a DPO step waits on the host: docs/preference.md), Liger's for SFT and for Gemma's (1 + weight)
     norm, the model's own without Liger; the run's reasons say which; a value outside the list is one line."""
-    def pick(model: str, *extra: str, hw: d.Hardware | None = None) -> d.RunSettings:
+    def pick(model: str, *extra: str, hw: d.Hardware | None = None) -> RunSettings:
         return d.decide(compose([f"model={model}", "hardware=gpu", *extra]), hw or d.card("H100"), None, None)
 
     for model in ("qwen3_8b_random", "llama32_1b_random", "mistral_7b_random", "tiny_random_qwen3"):
@@ -196,7 +197,7 @@ def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_in_every_mode() -> Non
     pair layout, in every repro mode (its backward is deterministic under default and strict); TRL 1.16 pads ORPO's
     pairs (and DPO's and KTO's with packing off): on CUDA the varlen kernel unpads each row from its mask, so no
     attention runs over padding; SFT's unpacked rows keep the library default."""
-    def run(*overrides: str) -> d.RunSettings:
+    def run(*overrides: str) -> RunSettings:
         cfg = compose(["model=qwen3_8b", "hardware=gpu", "paths.prepared=/nonexistent", *overrides])
         return d.decide(cfg, d.card("H200"), None, None)
 

@@ -92,6 +92,28 @@ def test_a_stage_run_from_a_params_file_is_checked_first(tmp_path: Path) -> None
     assert proc.stderr.strip().splitlines() == ["hardware.norm_kernel: 'ligr' is not one of auto, liger, torch"]
 
 
+@pytest.mark.parametrize("stage", ["merge", "train"])
+def test_a_stage_run_with_the_other_chains_file_stops_at_the_door(stage: str, tmp_path: Path) -> None:
+    """The params file's chain is checked by the settings callback (reprotune.config.check_chain), before the
+    stage's main: params_pref.yaml edited to objective sft, params.yaml to dpo; one line each, exit 2, nothing
+    written (the chain's paths are the file's own, conf/objective/paths/preference.yaml; no code reroutes them)."""
+    from reprotune.config import dump_chain_params
+
+    dump_chain_params([], tmp_path)
+    pref = tmp_path / "params_pref.yaml"
+    pref.write_text(pref.read_text().replace("objective:\n  name: dpo", "objective:\n  name: sft"))
+    proc = _run([f"reprotune.{stage}", "--config-dir", ".", "--config-name", "params_pref"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("params_pref.yaml:"), proc.stderr
+    assert "objective.name: 'sft', but the preference stages (prepare_pairs, train_pref" in proc.stderr
+    sft = tmp_path / "params.yaml"
+    sft.write_text(sft.read_text().replace("objective:\n  name: sft", "objective:\n  name: dpo"))
+    proc = _run([f"reprotune.{stage}", "--config-dir", ".", "--config-name", "params"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "objective.name: 'dpo', but the SFT stages (prepare, train, eval, merge, gguf) run objective=sft" in proc.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()
+
+
 def test_the_objective_registry_is_the_one_list() -> None:
     """reprotune.objectives: one entry per conf/objective/*.yaml and per schema name; the sets the code used to
     spell out by name (reference, packed, paired) are the registry's properties."""

@@ -166,13 +166,48 @@ def check_settings(cfg: DictConfig) -> None:
 SETTINGS_CALLBACK = {"check_settings": {"_target_": "reprotune.config.CheckSettings"}}
 
 
+def _line_of(path: Path, key: str) -> int:
+    """The line of a top-level key in a YAML file (0 when it is not there)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    return next((i for i, line in enumerate(lines, 1) if line.startswith(f"{key}:")), 0)
+
+
+def check_chain(cfg: Any, config_name: str | None) -> None:
+    """A DVC stage runs with the params file of its chain: the SFT stages (prepare, train, eval, merge, gguf:
+    params.yaml) with objective=sft, the preference stages (prepare_pairs, train_pref, eval_pref, merge_pref,
+    gguf_pref: params_pref.yaml) with dpo, orpo or kto; the other way round they would write the other chain's
+    outputs. One line, exit 2."""
+    from reprotune.objectives import objective
+
+    sft_params, pref_params = PARAMS_FILE.removesuffix(".yaml"), PREF_PARAMS_FILE.removesuffix(".yaml")
+    if config_name not in (sft_params, pref_params):
+        return  # a direct run (python -m reprotune.train ...) or make verify's re-run: no chain to check
+    obj = objective(cfg)
+    where = f"{config_name}.yaml:{_line_of(Path(f'{config_name}.yaml'), 'objective')}: objective.name"
+    if config_name == pref_params and not obj.preference:
+        raise ReprotuneError(f"{where}: {obj.name!r}, but the preference stages (prepare_pairs, train_pref, "
+                             f"eval_pref, merge_pref, gguf_pref) run dpo, orpo or kto; write it with make train "
+                             f"ARGS=\"objective=dpo\" (or python -m reprotune.config objective=dpo)")
+    if config_name == sft_params and obj.preference:
+        raise ReprotuneError(f"{where}: {obj.name!r}, but the SFT stages (prepare, train, eval, merge, gguf) run "
+                             f"objective=sft; a preference objective goes to params_pref.yaml: make train "
+                             f"ARGS=\"objective={obj.name}\"")
+
+
 class CheckSettings(Callback):
-    """Hydra's on_job_start hook: check_settings on the composed config, before the stage's main runs; a bad
-    value is its one line and exit status 2 (errors.user_errors), from every `python -m reprotune.<stage>`."""
+    """Hydra's on_job_start hook: check_settings on the composed config, and the params file's chain
+    (check_chain), before the stage's main runs; a bad value is its one line and exit status 2
+    (errors.user_errors), from every `python -m reprotune.<stage>`."""
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
         with user_errors():
             check_settings(config)
+            check_chain(config, HydraConfig.get().job.config_name)
 
 
 def sanitise_name(text: str) -> str:

@@ -27,27 +27,27 @@ from pathlib import Path
 from typing import Any
 
 from reprotune.errors import ReprotuneError
+from reprotune.formats_checks import (
+    INVALID,
+    MESSAGE_KEYS,
+    RECORD_KEYS,
+    ROLES,
+    Problems,
+    Reader,
+    check_conversation,
+    check_keys,
+    parse_turns,
+    text_of,
+    tools_of,
+    type_name,
+)
 from reprotune.io import scan_utf8, text_lf, text_lines
 from reprotune.schema import DATA_FORMATS
 
 FORMATS = DATA_FORMATS  # data.format's values but auto (reprotune.schema)
-ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool"}
-# Keys each record format needs, and the optional ones it uses; any other key is an extra key, dropped and
-# counted (data.extra_keys=drop) or reported (data.extra_keys=error). "id"/"metadata" are carried by many
-# exporters and dropped quietly: train/eval read only the messages (and tools).
-RECORD_KEYS: dict[str, tuple[set[str], set[str]]] = {  # format -> (required, optional)
-    "chat": ({"messages"}, {"tools"}),
-    "sharegpt": ({"conversations"}, {"system", "tools"}),
-    "alpaca": ({"instruction", "output"}, {"input", "system"}),
-    "prompt_completion": ({"prompt", "completion"}, {"system", "tools"}),
-}
-QUIET_KEYS = {"id", "metadata"}
-# per-message keys of OpenAI's chat format that we keep (everything else in a message is an extra key)
-MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name", "weight"}
 SUFFIXES = (".jsonl", ".json")
-MAX_PROBLEMS_PER_FILE = 50
 EXTRA_KEYS = ("drop", "error")
 ON_INVALID = ("error", "skip")
 
@@ -76,34 +76,6 @@ class FileResult:
     sha256: str = ""  # of the file's bytes
 
 
-@dataclass
-class _Problem:
-    line: int
-    fld: str
-    what: str
-    record: bool  # about one record (skippable with data.on_invalid=skip), not the whole file
-
-
-class _Problems:
-    """Collects problems for one file; printing is capped so a wholly wrong file does not print 100k lines,
-    the total is not."""
-
-    def __init__(self, path: str):
-        self.path, self.all = path, []
-
-    def add(self, line: int, fld: str, what: str, record: bool = True) -> None:
-        self.all.append(_Problem(line, fld, what, record))
-
-    def render(self, items: list[_Problem]) -> list[str]:
-        lines = [f"{self.path}:{p.line}: {p.fld}: {p.what}" for p in items[:MAX_PROBLEMS_PER_FILE]]
-        more = len(items) - len(lines)
-        return lines + ([f"{self.path}: ... and {more} more problems"] if more else [])
-
-    @property
-    def items(self) -> list[_Problem]:
-        return self.all
-
-
 def list_input_files(path: Path) -> list[Path]:
     """The files a data.path names: the file itself, or every *.jsonl/*.json under a folder, sorted."""
     if not path.exists():
@@ -120,15 +92,10 @@ def list_input_files(path: Path) -> list[Path]:
     return files
 
 
-def _type_name(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-            bool: "a boolean", type(None): "null"}.get(type(value), type(value).__name__)
-
-
 TOO_DEEP = "nested too deeply to parse (arrays/objects more than about 1,000 levels deep); flatten the record"
 
 
-def _iter_jsonl(lines: Iterable[str], problems: _Problems) -> Iterator[tuple[int, Any]]:
+def _iter_jsonl(lines: Iterable[str], problems: Problems) -> Iterator[tuple[int, Any]]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue  # blank lines are harmless
@@ -140,7 +107,7 @@ def _iter_jsonl(lines: Iterable[str], problems: _Problems) -> Iterator[tuple[int
             problems.add(number, "json", TOO_DEEP)
 
 
-def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]]:
+def _iter_json_array(text: str, problems: Problems) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array with the line each starts on (json.loads would lose it)."""
     try:
         document = json.loads(text)
@@ -151,7 +118,7 @@ def _iter_json_array(text: str, problems: _Problems) -> Iterator[tuple[int, Any]
         problems.add(1, "json", TOO_DEEP, record=False)
         return
     if not isinstance(document, list):
-        problems.add(1, "(top level)", f"expected a JSON array of examples, got {_type_name(document)}", record=False)
+        problems.add(1, "(top level)", f"expected a JSON array of examples, got {type_name(document)}", record=False)
         return
     decoder, pos = json.JSONDecoder(), text.index("[") + 1
     for element in document:  # re-scan only to learn each element's line number
@@ -176,255 +143,19 @@ def detect_record_format(record: Any) -> str | None:
     return None
 
 
-@dataclass
-class _Reader:
-    """What converting one file needs besides the record: where problems go and the extra-keys policy."""
-
-    problems: _Problems
-    extra_keys: str = "drop"
-    extra: Counter = field(default_factory=Counter)
-
-    def add(self, line: int, fld: str, what: str) -> None:
-        self.problems.add(line, fld, what)
-
-    def unknown_key(self, line: int, where: str, counted_as: str, allowed: set[str]) -> bool:
-        """An extra key: counted and dropped (True), or a problem with data.extra_keys=error (False)."""
-        if self.extra_keys == "error":
-            self.add(line, where, f"unknown key (allowed: {', '.join(sorted(allowed))}; data.extra_keys=drop "
-                                  f"drops unknown keys)")
-            return False
-        self.extra[counted_as] += 1
-        return True
-
-
-def _check_keys(record: dict, fmt: str, line: int, reader: _Reader) -> bool:
-    """All required keys present (missing ones reported); unknown ones counted or reported."""
-    required, optional = RECORD_KEYS[fmt]
-    missing = sorted(required - record.keys())
-    for key in missing:
-        reader.add(line, key, f"missing (required in {fmt} records: {', '.join(sorted(required))})")
-    known = all([reader.unknown_key(line, key, key, required | optional | QUIET_KEYS)
-                 for key in sorted(record.keys() - required - optional - QUIET_KEYS)])
-    return not missing and known
-
-
-def _text(value: Any, line: int, fld: str, reader: _Reader, allow_empty: bool = False) -> str | None:
-    """A message's text: a string, or OpenAI's list of text parts (joined); None (reported) otherwise."""
-    if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text"
-                                                 and isinstance(p.get("text"), str) for p in value):
-        value = "".join(p["text"] for p in value)
-    if isinstance(value, list):
-        reader.add(line, fld, 'must be a string or a list of {"type": "text", "text": ...} parts, got an array '
-                              'with other parts')
-        return None
-    if not isinstance(value, str):
-        reader.add(line, fld, f"must be a string, got {_type_name(value)}")
-        return None
-    if not allow_empty and not value.strip():
-        reader.add(line, fld, "is empty")
-        return None
-    return value
-
-
-def _json_value(value: Any, line: int, fld: str, reader: _Reader) -> Any:
-    """Tool schemas and call arguments arrive as JSON objects or as JSON text (ShareGPT, OpenAI arguments)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as err:
-        reader.add(line, fld, f"invalid JSON text: {err.msg} at column {err.colno}")
-        return _INVALID
-
-
-_INVALID = object()
-
-
-def _tool_calls(value: Any, line: int, fld: str, reader: _Reader) -> list[dict] | None:
-    """Canonical calls: {"type": "function", "function": {"name", "arguments": JSON text}} (+ "id").
-
-    Arguments are kept as JSON text (OpenAI's own form): as objects, a dataset of calls to different tools
-    would be widened by Arrow to the union of every tool's argument names, each filled with null.
-    """
-    value = _json_value(value, line, fld, reader)
-    if value is _INVALID:
-        return None
-    if isinstance(value, dict):
-        value = [value]  # ShareGPT's function_call holds one call
-    if not isinstance(value, list) or not value:
-        reader.add(line, fld, f"must be a non-empty array of tool calls, got {_type_name(value)}")
-        return None
-    calls = []
-    for i, call in enumerate(value):
-        where = f"{fld}[{i}]"
-        function = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            reader.add(line, where, "must be an object with function.name (or name) and arguments")
-            return None
-        arguments = _json_value(function.get("arguments", {}), line, f"{where}.arguments", reader)
-        if arguments is _INVALID:
-            return None
-        if not isinstance(arguments, dict):
-            reader.add(line, f"{where}.arguments", f"must be a JSON object, got {_type_name(arguments)}")
-            return None
-        canonical = {"type": "function",
-                     "function": {"name": function["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
-        if isinstance(call.get("id"), str):
-            canonical["id"] = call["id"]
-        calls.append(canonical)
-    return calls
-
-
-def _tools(value: Any, line: int, reader: _Reader) -> list[dict] | None | object:
-    """Canonical tool list [{"type": "function", "function": schema}]; None for none, _INVALID if wrong."""
-    value = _json_value(value, line, "tools", reader)
-    if value is _INVALID:
-        return _INVALID
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list):
-        reader.add(line, "tools", f"must be an array of tool definitions, got {_type_name(value)}")
-        return _INVALID
-    out = []
-    for i, tool in enumerate(value):
-        schema = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str) or not schema["name"]:
-            reader.add(line, f"tools[{i}]", "must be an object with function.name (or name)")
-            return _INVALID
-        out.append({"type": "function", "function": schema})
-    return out
-
-
-def _message(turn: dict, role: str, content: Any, line: int, where: str, content_key: str,
-             reader: _Reader) -> dict | None:
-    """One canonical message from a turn whose role is known."""
-    has_calls = role == "assistant" and turn.get("tool_calls") is not None
-    text = "" if has_calls and content is None else _text(content, line, f"{where}.{content_key}", reader,
-                                                            allow_empty=has_calls or role == "tool")
-    if text is None:
-        return None
-    message: dict[str, Any] = {"role": role, "content": text}
-    if turn.get("tool_calls") is not None:
-        if role != "assistant":
-            reader.add(line, f"{where}.tool_calls", f"only assistant messages call tools (this one is {role})")
-            return None
-        calls = _tool_calls(turn["tool_calls"], line, f"{where}.tool_calls", reader)
-        if calls is None:
-            return None
-        message["tool_calls"] = calls
-    if role == "tool":
-        for key in ("tool_call_id", "name"):
-            if isinstance(turn.get(key), str):
-                message[key] = turn[key]
-    if "weight" in turn:
-        if turn["weight"] not in (0, 1) or isinstance(turn["weight"], bool) or role != "assistant":
-            reader.add(line, f"{where}.weight", "must be 0 or 1, on an assistant message (0: not learned from)")
-            return None
-        if turn["weight"] == 0:
-            message["weight"] = 0
-    return message
-
-
-def _parse_turns(turns: Any, line: int, reader: _Reader, list_key: str, role_key: str, content_key: str,
-                 role_map: dict[str, str], allowed: set[str]) -> list[dict] | None:
-    """Turns as canonical messages (order not checked yet); every problem of every turn is reported."""
-    if not isinstance(turns, list):
-        reader.add(line, list_key, f"must be an array of turns, got {_type_name(turns)}")
-        return None
-    if not turns:
-        reader.add(line, list_key, "is empty")
-        return None
-    out, ok = [], True
-    for i, turn in enumerate(turns):
-        where = f"{list_key}[{i}]"
-        if not isinstance(turn, dict):
-            reader.add(line, where, f"must be an object with {role_key} and {content_key}, got {_type_name(turn)}")
-            ok = False
-            continue
-        for key in sorted({role_key, content_key} - turn.keys()):
-            if not (key == content_key and turn.get("tool_calls") is not None):  # content may be absent on calls
-                reader.add(line, f"{where}.{key}", "missing")
-                ok = False
-        for key in sorted(turn.keys() - allowed):
-            ok = reader.unknown_key(line, f"{where}.{key}", f"{list_key}[].{key}", allowed) and ok
-        if role_key not in turn or (content_key not in turn and turn.get("tool_calls") is None):
-            continue
-        role = turn[role_key]
-        if role not in role_map:
-            reader.add(line, f"{where}.{role_key}", f"unknown role {json.dumps(role)} "
-                                                    f"(expected {', '.join(sorted(set(role_map)))})")
-            ok = False
-            continue
-        if role == "function_call":  # ShareGPT tool-calling layout: the call is the assistant's turn
-            message = _message({"tool_calls": turn[content_key]}, "assistant", "", line, where, content_key, reader)
-        else:
-            message = _message(turn, role_map[role], turn.get(content_key), line, where, content_key, reader)
-        if message is None:
-            ok = False
-            continue
-        out.append(message)
-    return out if ok else None
-
-
-def check_conversation(messages: list[dict[str, Any]], line: int, fld: str, problems: _Problems | _Reader,
-                       role_names: dict[str, str] | None = None) -> bool:
-    """Role order: optional system first; user, then assistant; an assistant turn that calls tools is
-    followed by tool results, and those by the assistant again; the conversation ends with the assistant.
-    Agent traces invoke tools in the assistant's text (no tool_calls) and follow with a tool turn: accepted too;
-    prepare checks that the chat template has a tool role to render it (reprotune.prepare.check_templates)."""
-    def shown(message: dict | None) -> str:  # name roles as the user's file does (human/gpt for ShareGPT)
-        if message is None:
-            return "the start"
-        role = "function_call" if role_names and message.get("tool_calls") else message["role"]
-        return role_names.get(role, role) if role_names else role
-
-    def expected_after(message: dict | None) -> tuple[str, ...]:
-        if message is None or message["role"] == "system":
-            return ("user",)
-        if message["role"] == "user":
-            return ("assistant",)
-        if message["role"] == "tool":
-            return ("tool", "assistant")
-        return ("tool",) if message.get("tool_calls") else ("user", "tool")
-
-    previous = None
-    for i, msg in enumerate(messages):
-        if msg["role"] == "system" and i != 0:
-            problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown(msg)} is only allowed as the first turn")
-            return False
-        if i == 0 and msg["role"] == "system":
-            previous = msg
-            continue
-        expected = expected_after(previous)
-        if msg["role"] not in expected:
-            names = " or ".join(shown({"role": r}) for r in expected)
-            problems.add(line, f"{fld}[{i}]", f"roles out of order: {shown(msg)} after {shown(previous)} "
-                                              f"(expected {names})")
-            return False
-        previous = msg
-    if not any(m["role"] == "assistant" for m in messages):
-        problems.add(line, fld, f"no {shown({'role': 'assistant'})} turn (nothing for the model to learn)")
-        return False
-    if messages[-1]["role"] != "assistant":
-        problems.add(line, fld, f"conversation must end with an {shown({'role': 'assistant'})} turn "
-                                f"(last is {shown(messages[-1])})")
-        return False
-    return True
-
-
-def _chat(record: dict, line: int, reader: _Reader) -> list[dict] | None:
-    messages = _parse_turns(record["messages"], line, reader, "messages", "role", "content",
+def _chat(record: dict, line: int, reader: Reader) -> list[dict] | None:
+    messages = parse_turns(record["messages"], line, reader, "messages", "role", "content",
                             {r: r for r in ROLES}, MESSAGE_KEYS)
     return messages if messages is not None and check_conversation(messages, line, "messages", reader) else None
 
 
-def _sharegpt(record: dict, line: int, reader: _Reader) -> list[dict] | None:
-    messages = _parse_turns(record["conversations"], line, reader, "conversations", "from", "value",
+def _sharegpt(record: dict, line: int, reader: Reader) -> list[dict] | None:
+    messages = parse_turns(record["conversations"], line, reader, "conversations", "from", "value",
                             SHAREGPT_ROLES, {"from", "value"})
     if messages is None:
         return None
     if "system" in record:
-        system = _text(record["system"], line, "system", reader)
+        system = text_of(record["system"], line, "system", reader)
         if system is None:
             return None
         if messages[0]["role"] == "system":
@@ -435,8 +166,8 @@ def _sharegpt(record: dict, line: int, reader: _Reader) -> list[dict] | None:
     return messages if check_conversation(messages, line, "conversations", reader, names) else None
 
 
-def _pair(record: dict, line: int, reader: _Reader, prompt_keys: tuple[str, ...], answer_key: str) -> list | None:
-    texts = {key: _text(record[key], line, key, reader, allow_empty=(key == "input"))
+def _pair(record: dict, line: int, reader: Reader, prompt_keys: tuple[str, ...], answer_key: str) -> list | None:
+    texts = {key: text_of(record[key], line, key, reader, allow_empty=(key == "input"))
              for key in (*prompt_keys, answer_key, "system") if key in record}
     if any(v is None for v in texts.values()):
         return None
@@ -445,7 +176,7 @@ def _pair(record: dict, line: int, reader: _Reader, prompt_keys: tuple[str, ...]
     return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": texts[answer_key]}]
 
 
-def _prompt_completion(record: dict, line: int, reader: _Reader) -> list[dict] | None:
+def _prompt_completion(record: dict, line: int, reader: Reader) -> list[dict] | None:
     """Plain (strings) or conversational (TRL's layout: message lists); the loss covers the completion only,
     so assistant turns inside a conversational prompt get weight 0."""
     prompt, completion = record["prompt"], record["completion"]
@@ -454,12 +185,12 @@ def _prompt_completion(record: dict, line: int, reader: _Reader) -> list[dict] |
     parts = []
     for key, value, default_role in (("prompt", prompt, "user"), ("completion", completion, "assistant")):
         if isinstance(value, list):
-            parts.append(_parse_turns(value, line, reader, key, "role", "content", {r: r for r in ROLES},
+            parts.append(parse_turns(value, line, reader, key, "role", "content", {r: r for r in ROLES},
                                       MESSAGE_KEYS))
         else:
-            text = _text(value, line, key, reader)
+            text = text_of(value, line, key, reader)
             parts.append(None if text is None else [{"role": default_role, "content": text}])
-    system = _text(record["system"], line, "system", reader) if "system" in record else ""
+    system = text_of(record["system"], line, "system", reader) if "system" in record else ""
     if None in parts or system is None:
         return None
     prompt_messages = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in parts[0]]
@@ -476,14 +207,14 @@ CONVERTERS = {"chat": _chat, "sharegpt": _sharegpt, "prompt_completion": _prompt
               "alpaca": lambda record, line, reader: _pair(record, line, reader, ("instruction", "input"), "output")}
 
 
-def to_record(record: dict, fmt: str, line: int, path: str, reader: _Reader) -> Record | None:
+def to_record(record: dict, fmt: str, line: int, path: str, reader: Reader) -> Record | None:
     """Validate one record of a known format and convert it (None if invalid; every problem reported)."""
-    complete = _check_keys(record, fmt, line, reader)
+    complete = check_keys(record, fmt, line, reader)
     if not complete and not (RECORD_KEYS[fmt][0] <= record.keys()):
         return None
     messages = CONVERTERS[fmt](record, line, reader)  # still checked with unknown keys: report everything
-    tools = _tools(record["tools"], line, reader) if "tools" in record else None
-    if messages is None or tools is _INVALID or not complete:
+    tools = tools_of(record["tools"], line, reader) if "tools" in record else None
+    if messages is None or tools is INVALID or not complete:
         return None
     if not tools and any(m.get("tool_calls") for m in messages):
         tools = None  # calls without a tool list are still rendered; the template may then skip the schema
@@ -508,8 +239,8 @@ def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_inv
               sink: Sink | None = None) -> FileResult:
     """Read, validate and convert one file; problems are collected in the result, never raised. With a sink,
     each valid record goes to it as it is read instead of into `records` (prepare keeps ~20 bytes of each)."""
-    problems = _Problems(str(path))
-    reader = _Reader(problems, extra_keys)
+    problems = Problems(str(path))
+    reader = Reader(problems, extra_keys)
     utf8, sha256 = scan_utf8(path, problems.add)
     first = _first_character(path) if utf8 else ""
     container = "json_array" if first == "[" or forced == "chat_json" else "jsonl"
@@ -532,7 +263,7 @@ def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_inv
     for line, record in rows:
         n_rows += 1
         if not isinstance(record, dict):
-            problems.add(line, "(top level)", f"expected a JSON object per example, got {_type_name(record)}")
+            problems.add(line, "(top level)", f"expected a JSON object per example, got {type_name(record)}")
             continue
         fmt = detect_record_format(record)
         if fmt is None:
@@ -563,7 +294,7 @@ def read_file(path: Path, forced: str = "auto", extra_keys: str = "drop", on_inv
     return _finish(result, problems, reader, on_invalid)
 
 
-def _finish(result: FileResult, problems: _Problems, reader: _Reader, on_invalid: str) -> FileResult:
+def _finish(result: FileResult, problems: Problems, reader: Reader, on_invalid: str) -> FileResult:
     """Problems become errors, or (data.on_invalid=skip) record problems become rejected records."""
     fatal = [p for p in problems.all if not (on_invalid == "skip" and p.record)]
     if on_invalid == "skip":

@@ -7,7 +7,7 @@ Reads  the base model (reprotune.models.resolve_model_dir), outputs/adapter/ (PE
        the inference chat template) and data/prepared/holdout.jsonl.
 Writes outputs/merged/ (safetensors in export.dtype, config, generation config, tokenizer, chat template,
        parity.json) and outputs/export/merge_manifest.json (provenance and timings).
-With a preference objective (reprotune.preference.route_paths): outputs/pref/adapter and data/pairs/holdout.jsonl
+With a preference objective (its paths: conf/objective/paths/preference.yaml): outputs/pref/adapter and data/pairs/holdout.jsonl
 (each row's prompt + chosen answer) in, outputs/pref/merged and outputs/pref/export/merge_manifest.json out. The
 preference adapter is one whole adapter (started from the SFT adapter, its weights trained further; TRL's frozen
 'ref' copy is never saved), so base + it is the model the preference run trained and eval_pref scored.
@@ -38,7 +38,7 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import read_conversations, swap_dir, tmp_path
 from reprotune.models import load_float32, load_tokenizer, resolve_model_dir, save_tokenizer
-from reprotune.preference import is_preference, route_paths
+from reprotune.objectives import objective
 from reprotune.preference.pair_eval import export_conversations
 
 log = logging.getLogger("reprotune.merge")
@@ -49,7 +49,7 @@ def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]] | list[str]:
     """Holdout conversations (lists of messages), in file order; a preference holdout's rows as prompt + chosen
     answer (text rows: their text)."""
     path = Path(cfg.paths.prepared) / "holdout.jsonl"
-    if is_preference(cfg):
+    if objective(cfg).preference:
         return export_conversations(path)
     return read_conversations(path, "run 'make prepare' first")
 
@@ -114,62 +114,49 @@ def write_generation_config(model, tokenizer, out: Path) -> None:
     gen.save_pretrained(out)
 
 
-# -------------------------------------------------------------------------------------------------- main
-def merge(cfg: DictConfig) -> dict[str, Any]:
-    import torch
+# -------------------------------------------------------------------------------------------------- steps
+def merge_in_float32(cfg: DictConfig, model_dir: str, adapter_dir: Path, batches: list) -> tuple[Any, Any, dict, dict]:
+    """(the float32 merge, base + adapter's logits, the adapter's effect on them, the merge's difference from
+    them): the merge is refused when it moves the logits by more than export.merge.fp32_atol."""
     from peft import PeftModel
 
-    from reprotune import kernels
-    from reprotune import manifest as mf
-
-    kernels.route_matmul_as_pinned()
-
-    started = time.time()
-    route_paths(cfg)  # a preference run: outputs/pref/adapter and data/pairs in, outputs/pref/{merged,export} out
-    adapter_dir = Path(cfg.paths.adapter)
-    check_adapter(adapter_dir, cfg.model, f"make train ARGS=\"objective={cfg.objective.name}\""
-                  if is_preference(cfg) else "make train")
-    conversations = read_holdout(cfg)[: int(cfg.export.merge.prompts)]
-    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
-    dtype = save_dtype(cfg, model_dir)
-    torch.manual_seed(int(cfg.seed))
-
-    # the adapter dir holds the tokenizer and the chat template the model was trained and evaluated with
-    tokenizer = load_tokenizer(adapter_dir)
-    batches = parity_batches(tokenizer, conversations)
-
     log.info("loading %s in float32 + adapter %s", model_dir, adapter_dir)
-    t0 = time.time()
     peft_model = PeftModel.from_pretrained(load_float32(model_dir, cfg.model), adapter_dir).eval()
     reference = logits_of(peft_model, batches)
     with peft_model.disable_adapter():  # how far the adapter moves the base: the scale of a wrong merge
         adapter_effect = compare_logits(reference, logits_of(peft_model, batches))
     merged = peft_model.merge_and_unload()
     fp32 = compare_logits(reference, logits_of(merged, batches))
-    merge_seconds = time.time() - t0
     if fp32["max_abs_diff"] > float(cfg.export.merge.fp32_atol):
         raise ReprotuneError(f"export.merge.fp32_atol: merged logits differ from base + adapter by "
                              f"{fp32['max_abs_diff']:.3g} (> {cfg.export.merge.fp32_atol}); the merge is wrong")
+    return merged, reference, adapter_effect, fp32
 
-    final = Path(cfg.paths.merged)
-    tmp = tmp_path(final)
+
+def save_merged(merged: Any, tokenizer: Any, dtype: str, tmp: Path) -> None:
+    """The merged model in export.dtype, its tokenizer, chat template and generation config, into tmp."""
+    import torch
+
     shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.time()
     merged.to(getattr(torch, dtype))
     with needs_bytes(tensor_bytes(merged.state_dict().values())):  # a full disk says how much the model needed
         merged.save_pretrained(tmp)
     save_tokenizer(tokenizer, tmp)  # tokenizer.json, tokenizer_config.json and chat_template.jinja
     write_generation_config(merged, tokenizer, tmp)
-    save_seconds = time.time() - t0
-    del peft_model, merged
 
-    # what ships is the saved file, so compare that (reloaded, upcast to float32) with base + adapter
+
+def check_saved(cfg: DictConfig, tmp: Path, reference: Any, batches: list, dtype: str, n_conversations: int,
+                adapter_effect: dict, fp32: dict) -> dict[str, Any]:
+    """parity.json: what ships is the saved file, so that (reloaded, upcast to float32) is compared with base +
+    adapter; below export.merge.min_top1_agreement the saved model is removed and the stage fails."""
+    from reprotune import manifest as mf
+
     saved_model = load_float32(tmp)
     saved = compare_logits(reference, logits_of(saved_model, batches))
     del saved_model
     min_top1 = float(cfg.export.merge.min_top1_agreement)
     parity = {
-        "holdout_conversations": len(conversations),
+        "holdout_conversations": n_conversations,
         "reference": "base (float32, unquantised) + PEFT adapter, unmerged",
         "adapter_effect": {"max_abs_diff": adapter_effect["max_abs_diff"],
                            "top1_agreement": adapter_effect["top1_agreement"]},  # base alone vs base + adapter
@@ -184,7 +171,13 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
         raise ReprotuneError(f"export.merge.min_top1_agreement: the {dtype} merged model picks the same next token "
                              f"as base + adapter at only {saved['top1_agreement']:.3f} of positions (< {min_top1}); "
                              "try export.dtype=float32")
-    swap_dir(tmp, final)
+    return parity
+
+
+def merge_record(cfg: DictConfig, adapter_dir: Path, model_dir: str, parity: dict[str, Any],
+                 timing: dict[str, float]) -> dict[str, Any]:
+    """outputs/export/merge_manifest.json: provenance, inputs and output by sha256, parity, timings."""
+    from reprotune import manifest as mf
 
     root = Path(cfg.paths.root)
     manifest_path = Path(cfg.paths.export_dir) / "merge_manifest.json"
@@ -193,12 +186,50 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
         "inputs": {"adapter": mf.path_record(adapter_dir, root),
                    "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),
                    "base_model": mf.base_model_record(model_dir, files=False)},
-        "outputs": {"merged": mf.path_record(final, root)},
+        "outputs": {"merged": mf.path_record(Path(cfg.paths.merged), root)},
         "parity": parity,
-        "timing": {"merge_seconds": round(merge_seconds, 2), "save_seconds": round(save_seconds, 2),
-                   "wall_seconds": round(time.time() - started, 2)},
+        "timing": timing,
     })
     mf.write_json(manifest_path, record)
+    return record
+
+
+# -------------------------------------------------------------------------------------------------- main
+def merge(cfg: DictConfig) -> dict[str, Any]:
+    import torch
+
+    from reprotune import kernels
+
+    kernels.route_matmul_as_pinned()
+
+    started = time.time()
+    adapter_dir = Path(cfg.paths.adapter)
+    check_adapter(adapter_dir, cfg.model, f"make train{objective(cfg).make_args}")
+    conversations = read_holdout(cfg)[: int(cfg.export.merge.prompts)]
+    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    dtype = save_dtype(cfg, model_dir)
+    torch.manual_seed(int(cfg.seed))
+
+    # the adapter dir holds the tokenizer and the chat template the model was trained and evaluated with
+    tokenizer = load_tokenizer(adapter_dir)
+    batches = parity_batches(tokenizer, conversations)
+    t0 = time.time()
+    merged, reference, adapter_effect, fp32 = merge_in_float32(cfg, model_dir, adapter_dir, batches)
+    merge_seconds = time.time() - t0
+
+    final = Path(cfg.paths.merged)
+    tmp = tmp_path(final)
+    t0 = time.time()
+    save_merged(merged, tokenizer, dtype, tmp)
+    save_seconds = time.time() - t0
+    del merged
+    parity = check_saved(cfg, tmp, reference, batches, dtype, len(conversations), adapter_effect, fp32)
+    swap_dir(tmp, final)
+
+    record = merge_record(cfg, adapter_dir, model_dir, parity, {
+        "merge_seconds": round(merge_seconds, 2), "save_seconds": round(save_seconds, 2),
+        "wall_seconds": round(time.time() - started, 2)})
+    saved = parity["saved"]
     log.info("merged -> %s (%s); fp32 max |Δlogit| %.2e; saved %s: max |Δlogit| %.3f, top-1 agreement %.4f",
              final, dtype, fp32["max_abs_diff"], dtype, saved["max_abs_diff"], saved["top1_agreement"])
     return record

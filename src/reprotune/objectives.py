@@ -34,6 +34,11 @@ class Objective:
     def unit(self) -> str:
         return "pairs" if self.paired else "rows"
 
+    @property
+    def make_args(self) -> str:
+        """What a `make <stage>` hint adds to rerun this objective's chain (the SFT chain's is the default)."""
+        return f' ARGS="objective={self.name}"' if self.preference else ""
+
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("sft"),

@@ -34,7 +34,7 @@ HYDRA_ARGS = "--config-dir . --config-name {name} hydra.run.dir=. hydra.output_s
 NOT_PARAMS = ("paths",)
 # The SFT stages run with params.yaml, the preference stages with params_pref.yaml (the same settings plus a
 # preference objective; reprotune.config.dump_chain_params). An SFT stage refuses a preference objective at start
-# (reprotune.preference.check_chain), so `objective` is no param of it: its only value there is sft.
+# (reprotune.config.check_chain), so `objective` is no param of it: its only value there is sft.
 SFT_ONLY_NOT_PARAMS = ("objective",)
 
 

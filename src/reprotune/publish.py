@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
-from reprotune.preference import is_preference, route_paths
+from reprotune.objectives import objective
 
 log = logging.getLogger("reprotune.publish")
 
@@ -80,15 +80,14 @@ def folder_to_publish(cfg: DictConfig) -> Path:
         raise ReprotuneError(f"publish: export.publish.what must be 'adapter' or 'merged', not {what!r}")
     folder = Path(cfg.paths.adapter if what == "adapter" else cfg.paths.merged)
     if not folder.is_dir():
-        args = f' ARGS="objective={cfg.objective.name}"' if is_preference(cfg) else ""
         raise ReprotuneError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}"
-                             f"{args}' first")
+                             f"{objective(cfg).make_args}' first")
     return folder
 
 
 def publish(cfg: DictConfig) -> dict[str, Any]:
-    sft_train_dir = Path(cfg.paths.train_dir) if is_preference(cfg) else None
-    route_paths(cfg)  # a preference run: outputs/pref/{adapter,merged} and its training record outputs/pref/train
+    # a preference run (its adapter, merged model and training record under outputs/pref) started from the SFT run's
+    sft_train_dir = Path(cfg.paths.sft_train_dir) if cfg.paths.get("sft_train_dir") else None
     reason = trained_on_private_data(cfg, sft_train_dir)
     if reason:
         raise ReprotuneError(f"publish: refusing to publish: {reason}. Adapters trained on private data stay local.")

@@ -4,7 +4,7 @@
     python -m reprotune.serve export.serve.info_only=true                # == make serve-info
 
 Reads outputs/gguf/model-<export.serve.quant>.gguf (objective=dpo|orpo|kto: outputs/pref/gguf, the preference
-run's export, reprotune.preference.route_paths). Binds 127.0.0.1 by default (export.serve.host).
+run's export: conf/objective/paths/preference.yaml). Binds 127.0.0.1 by default (export.serve.host).
 The chat prompt is rendered by the chat template inside the GGUF ('chat_template.default'), the one
 'make gguf' checked token for token against the HF tokenizer; llama-cpp-python would otherwise swap in a
 built-in format it guesses from the template.
@@ -25,7 +25,6 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
-from reprotune.preference import route_paths
 
 log = logging.getLogger("reprotune.serve")
 
@@ -149,7 +148,6 @@ def serve(cfg: DictConfig) -> None:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        route_paths(cfg)  # make serve ARGS="objective=dpo": the preference run's GGUF and adapter
         if cfg.export.serve.info_only:
             print(info(cfg))
             return

@@ -9,7 +9,7 @@ composed here from torch's own checkpoint instead, so that it runs the same code
 (liger-kernel needs triton, which the CPU lock does not have) and wraps whatever the MLP's forward is (Liger's
 SwiGLU, Gemma's GELU, PEFT's LoRA layers inside).
 
-The cost: one more MLP forward per layer in the backward (reprotune.speed.lora_step_flops_per_token counts it).
+The cost: one more MLP forward per layer in the backward (reprotune.flops.lora_step_flops_per_token counts it).
 The numbers: each tile's products are the same products on fewer rows, so the loss and gradients match the whole
 MLP's to float rounding (tests/test_long_context.py states the tolerance); the adapters' LoRA dropout draws its
 masks tile by tile (the checkpoint replays the same draws in the backward), so with dropout on, tiled and whole

@@ -11,7 +11,7 @@ Writes outputs/adapter/ (adapter, tokenizer, chat template, model card), outputs
 
 `train` is the recipe, read top to bottom: setup (device, data, tokenizer, the run's settings decided once by
 reprotune.sizing.decide, model, the objective's trainer) -> train -> save -> report. Checkpoint sealing and
-resume are reprotune.checkpoints; the objective is `objective` (SFT here; DPO, ORPO and KTO from
+resume are reprotune.checkpoints; the objective's trainer is `recipe` (SFT here; DPO, ORPO and KTO from
 reprotune.preference.trainers, on the preference pairs prepare wrote: docs/preference.md).
 """
 
@@ -31,11 +31,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from reprotune import checkpoints, distributed, speed, varlen_attention
-from reprotune.config import CONF_DIR, library_keys, quantization
-from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
+from reprotune import checkpoints, distributed, flops, speed, varlen_attention
+from reprotune.config import CONF_DIR, library_keys
+from reprotune.errors import ReprotuneError, user_errors
 from reprotune.families import LLAMA_STYLE
-from reprotune.io import content_key, key_fraction, read_examples, save_figure, swap_dir, tmp_path
+from reprotune.io import content_key, key_fraction, read_examples
 from reprotune.models import (
     base_identity,
     load_base_model,
@@ -43,7 +43,7 @@ from reprotune.models import (
     resolve_model_dir,
     training_chat_template,
 )
-from reprotune.preference import is_preference, objective_name, route_paths
+from reprotune.objectives import Objective, objective
 from reprotune.preference.packed import packed_class, register_pair_attention
 from reprotune.preference.trainers import (
     completion_tokens,
@@ -61,6 +61,7 @@ from reprotune.run_settings import RunSettings
 from reprotune.runtime import resolve_device, set_reproducibility
 from reprotune.sizing.decide import detect
 from reprotune.sizing.preflight import preflight, train_shape
+from reprotune.train_outputs import loss_curves, mean_loss, save_adapter, write_curves
 from reprotune.trainer_args import guarantee_keys
 
 log = logging.getLogger("reprotune.train")
@@ -196,143 +197,32 @@ def mean_example_tokens(dataset, n_examples: int) -> float:
     return total / max(n_examples, 1)
 
 
-# ----------------------------------------------------------------------------------------------- report
-def loss_curves(log_history: list[dict]) -> dict[str, list]:
-    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
-    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h]
-    return {"train": train, "eval": evals}
-
-
-def mean_loss(curve: list[tuple[int, float]]) -> float:
-    """Mean per-step loss from the logged curve (each point averages the steps since the previous one).
-
-    Computed from the log history, which a resumed run restores from its checkpoint, so a resumed run
-    reports exactly what an uninterrupted one does (the Trainer's own training_loss only covers the
-    steps since the resume).
-    """
-    total, previous = 0.0, 0
-    for step, loss in curve:
-        total += loss * (step - previous)
-        previous = step
-    return total / previous if previous else math.nan
-
-
-def plot_loss(curves: dict[str, list], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    if curves["train"]:
-        ax.plot(*zip(*curves["train"], strict=True), label="train loss", marker=".")
-    if curves["eval"]:
-        ax.plot(*zip(*curves["eval"], strict=True), label="eval loss (validation split of train)", marker="o")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (assistant tokens)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    save_figure(fig, out)
-    plt.close(fig)
-
-
-# what data.private means, said on the card itself (privacy by default: true unless the user says otherwise)
-PRIVATE_NOTE = ("private=true (the default for any data): this adapter may reproduce its training data, so `make "
-                "publish` refuses to upload it or a model merged from it. Set data.private=false only for data you "
-                "may share.")
-PUBLIC_NOTE = "private=false: the data was declared shareable (data.private=false), so `make publish` may upload it."
-
-
-def write_model_card(adapter_dir: Path, cfg: DictConfig, metrics: dict) -> None:
-    from reprotune.models import base_identity
-
-    base, revision = base_identity(cfg.model)  # never model.path: a host's directory would change the bytes
-    text = f"""# reprotune adapter: {cfg.model.name} + {cfg.method.name} on {cfg.data.name}
-
-- Base model: `{cfg.model.name}` ({cfg.model.source}: `{base}`{f' at revision `{revision}`' if revision else ''})
-- Method: {cfg.method.name} (r={cfg.method.r}, alpha={cfg.method.lora_alpha}, dora={cfg.method.use_dora}, 4-bit base={bool((quantization(cfg) or {}).get('load_in_4bit'))})
-- Data: `{cfg.data.name}` ({metrics['train_examples']} training examples; private={cfg.data.private})
-- Steps: {metrics['global_step']}, final train loss {metrics['final_train_loss']:.4f}, seed {cfg.seed}
-- Produced by `make train`; the full provenance is in `outputs/train/manifest.json`.
-
-Load with PEFT on the base: `reprotune.models.load_peft_model("outputs/adapter", "<cache>/models")` (adapter_config.json
-names the base by a stable identity, not a path: a hub id, `builtin:`, `random_init:` or `local:`).
-{PRIVATE_NOTE if cfg.data.private else PUBLIC_NOTE}
-"""
-    (adapter_dir / "README.md").write_text(text)
-
-
-def canonicalise_adapter_config(adapter_dir: Path, base: tuple[str, str | None]) -> None:
-    """Same run, same bytes on any host: PEFT stores target_modules from a Python set (its order follows the
-    per-process string hash seed), so sort it; and it records the base by the path it was loaded from (a
-    host's cache location), so name the base by its stable identity instead (reprotune.models.base_identity;
-    reprotune.models.resolve_base_identity maps it back to the local directory)."""
-    path = adapter_dir / "adapter_config.json"
-    config = json.loads(path.read_text())
-    for key in ("target_modules", "modules_to_save", "exclude_modules"):
-        if isinstance(config.get(key), list):
-            config[key] = sorted(config[key])
-    config["base_model_name_or_path"], config["revision"] = base
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def save_adapter_weights(model, folder: Path, state_dict: dict | None = None) -> None:
-    """PEFT's save of the adapter; its size is known before the write, so a full disk says how much it needed."""
-    from peft import get_peft_model_state_dict
-
-    # DPO/KTO from an init adapter hold TRL's frozen "ref" copy too: only the trained adapter is the output
-    only_trained = {"selected_adapters": ["default"]} if len(getattr(model, "peft_config", {})) > 1 else {}
-    with needs_bytes(tensor_bytes(get_peft_model_state_dict(model, state_dict=state_dict).values())):
-        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}), **only_trained)
-
-
-def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None,
-                 state_dict: dict | None = None) -> Path:
-    """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
-    final = Path(cfg.paths.adapter)
-    tmp = tmp_path(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    from reprotune.models import base_identity, save_tokenizer
-
-    save_adapter_weights(trainer.model, tmp, state_dict)
-    canonicalise_adapter_config(tmp, base_identity(cfg.model))
-    # Ship the model's own chat template (same rendering as the training one, without the loss markers,
-    # which inference engines such as llama.cpp do not understand).
-    tokenizer.chat_template = original_template
-    save_tokenizer(tokenizer, tmp)
-    write_model_card(tmp, cfg, metrics)
-    swap_dir(tmp, final)
-    return final
-
-
 # ------------------------------------------------------------------------------------------------- steps
 @dataclass(frozen=True)
-class Objective:
-    """What a training objective brings to the recipe: its trainer class and its config (SFT, DPO, ORPO, KTO)."""
+class Recipe:
+    """What a training objective brings to the run: its trainer class and its config (SFT, DPO, ORPO, KTO)."""
     trainer_class: type
     trainer_config: Callable[[DictConfig, RunSettings, bool], Any]  # (cfg, run, has_validation) -> TrainingArguments
 
 
-def objective(cfg: DictConfig, run: RunSettings) -> Objective:
+def recipe(obj: Objective, run: RunSettings) -> Recipe:
     """objective=sft: TRL's SFTTrainer; dpo, orpo, kto: TRL's preference trainers (reprotune.preference.trainers;
     DPO on packed pairs when the run packs: reprotune.preference.packed)."""
-    if is_preference(cfg):
-        trainer_class, _ = trl_classes(cfg.objective.name)
+    if obj.preference:
+        trainer_class, _ = trl_classes(obj.name)
         trainer_class = reference_keeps_checkpointing(trainer_class)
         if run.packing:  # decide packs DPO's and ORPO's pairs and KTO's rows
-            trainer_class = packed_class(trainer_class, objective_name(cfg))
-        return Objective(trainer_class=checkpoints.sealing_trainer_class(trainer_class),
-                         trainer_config=preference_config)
+            trainer_class = packed_class(trainer_class, obj.name)
+        return Recipe(trainer_class=checkpoints.sealing_trainer_class(trainer_class), trainer_config=preference_config)
     from trl import SFTTrainer
 
-    return Objective(trainer_class=checkpoints.sealing_trainer_class(SFTTrainer), trainer_config=sft_config)
+    return Recipe(trainer_class=checkpoints.sealing_trainer_class(SFTTrainer), trainer_config=sft_config)
 
 
-def load_rows(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
+def load_rows(cfg: DictConfig, obj: Objective) -> tuple[list[dict], list[dict]]:
     """The training rows, and the validation split drawn from them when train.eval_steps asks for one."""
     train_file = Path(cfg.paths.prepared) / "train.jsonl"
-    rows = read_pairs(train_file, cfg.objective.name) if is_preference(cfg) else read_messages(train_file)
+    rows = read_pairs(train_file, obj.name) if obj.preference else read_messages(train_file)
     return split_validation(rows, float(cfg.train.run.val_fraction)) if cfg.train.eval_steps else (rows, [])
 
 
@@ -355,22 +245,22 @@ def timing_callbacks(cfg: DictConfig) -> list:
     return callbacks
 
 
-def build_trainer(cfg: DictConfig, run: RunSettings, model, tokenizer, rows: list[dict], val_rows: list[dict],
-                  callbacks: list):
+def build_trainer(cfg: DictConfig, obj: Objective, run: RunSettings, model, tokenizer, rows: list[dict],
+                  val_rows: list[dict], callbacks: list):
     """The objective's trainer on the rows, with the LoRA config of the method group; stops when the loss mask
     leaves nothing to learn from."""
     from datasets import Dataset
 
-    obj = objective(cfg, run)
+    chosen = recipe(obj, run)
     # a model that already holds the starting adapter (objective.init_adapter) trains it; else a fresh one
     from peft import PeftModel
 
     peft_config = None if isinstance(model, PeftModel) else lora_config(cfg, tokenizer)
-    trainer = obj.trainer_class(model=model, args=obj.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
+    trainer = chosen.trainer_class(model=model, args=chosen.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
                                 processing_class=tokenizer, peft_config=peft_config)
-    if is_preference(cfg):
+    if obj.preference:
         if not len(trainer.train_dataset):  # TRL drops pairs whose prompt alone fills max_length
             raise ReprotuneError(f"{Path(cfg.paths.prepared) / 'train.jsonl'}:1: prompt: every prompt fills "
                                  "objective.max_length: nothing to train on")
@@ -432,29 +322,20 @@ def train_metrics(trainer, rows: list[dict], val_rows: list[dict]) -> dict[str, 
             "trainable_parameters": trainable, "total_parameters": total}
 
 
-def write_curves(trainer, out_dir: Path) -> None:
-    """[[step, loss], ...] per split: an output, not a metric (dvc metrics diff compares the final and mean loss)."""
-    from reprotune.manifest import write_json
-
-    curves = loss_curves(trainer.state.log_history)
-    write_json(out_dir / "loss_curves.json", {"train": curves["train"], "eval": curves["eval"]})
-    plot_loss(curves, out_dir / "loss.png")
-
-
 def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, train_seconds: float,
                   tokens_before: int) -> dict[str, Any]:
     import torch
 
     cuda = run.device == "cuda"
     steady = timer.steady_tokens_per_second()
-    step_flops = speed.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, n_rows),
-                                                 speed.recomputed_share(trainer.model.config, run),
+    step_flops = flops.lora_step_flops_per_token(trainer.model.config, mean_example_tokens(trainer.train_dataset, n_rows),
+                                                 flops.recomputed_share(trainer.model.config, run),
                                                  tiled_mlp=run.tiled_mlp_tokens > 0)
     trained = int(trainer.state.num_input_tokens_seen) - tokens_before
     return {"wall_seconds": round(wall, 2), "train_seconds": round(train_seconds, 2),
             "tokens_per_second": round(trained / train_seconds, 1) if train_seconds else None,
             "steady_tokens_per_second": round(steady, 1) if steady else None,
-            "mfu": round(speed.mfu(steady, step_flops), 4) if steady and cuda else None,
+            "mfu": round(flops.mfu(steady, step_flops), 4) if steady and cuda else None,
             "flops_per_token": round(step_flops), "step_seconds": timer.step_seconds(),
             "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
@@ -477,7 +358,7 @@ def pinned_host_gib() -> dict[str, float] | None:
     return out
 
 
-def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
+def train_record(cfg: DictConfig, obj: Objective, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
                  adapter_dir: Path, timing: dict[str, Any]) -> dict[str, Any]:
     """outputs/train/manifest.json: provenance, the run's settings, inputs and outputs by sha256, timings."""
     import torch
@@ -499,7 +380,7 @@ def train_record(cfg: DictConfig, run: RunSettings, trainer, model_dir: str, res
                  **{name: mf.path_record(out_dir / f, root) for name, f in
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
         timing=timing, run_settings=run.as_record(),
-        **({"objective": objective_record(cfg, root)} if is_preference(cfg) else {}),
+        **({"objective": objective_record(cfg, root)} if obj.preference else {}),
         distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
                      "strategy": run.strategy, "global_batch": run.global_batch})
 
@@ -510,7 +391,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from reprotune.manifest import write_json
 
     started = time.time()
-    route_paths(cfg)  # a preference run: data/pairs in, outputs/pref/{adapter,train,checkpoints} out
+    obj = objective(cfg)  # what the objective decides (reprotune.objectives), resolved once and handed on
     # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
     # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -523,21 +404,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
     # what the adapter records of its base, resolved before any weights load: a mistake here is known at the start
     log.info("base model: %s", base_identity(cfg.model)[0])
-    rows, val_rows = load_rows(cfg)
+    rows, val_rows = load_rows(cfg, obj)
     model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg)
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
     register_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
-    if is_preference(cfg):  # objective.init_adapter: the adapter to train further (and, copied, the reference)
+    if obj.preference:  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg))
         log.info("objective %s, reference: %s", cfg.objective.name, reference(cfg))
     resume_from = checkpoints.prepare_resume(cfg, world)
     tokens_before = checkpoints.tokens_seen_before(resume_from)  # read now: rotation may remove that checkpoint
     log.info("%s; strategy %s", run.global_batch, run.strategy)
     callbacks = timing_callbacks(cfg)
-    trainer = build_trainer(cfg, run, model, tokenizer, rows, val_rows, callbacks)
+    trainer = build_trainer(cfg, obj, run, model, tokenizer, rows, val_rows, callbacks)
 
     # train
     train_seconds = fit(trainer, run, resume_from)
@@ -557,7 +438,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     # report
     timing = timing_record(trainer, run, callbacks[0], len(rows), time.time() - started, train_seconds, tokens_before)
-    record = train_record(cfg, run, trainer, model_dir, resume_from, adapter_dir, timing)
+    record = train_record(cfg, obj, run, trainer, model_dir, resume_from, adapter_dir, timing)
     write_json(out_dir / "manifest.json", record)
     if not cfg.train.run.keep_checkpoints:
         shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)

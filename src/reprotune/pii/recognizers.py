@@ -71,6 +71,74 @@ def text_chunks(text: str, size: int = NER_CHUNK, overlap: int = NER_OVERLAP) ->
         start = space + 1 if space > start else nxt
 
 
+# -------------------------------------------------------------------------------------------------- names
+WORD = re.compile(r"[^\W\d_]+")
+
+
+def may_have_name(text: str, given: set[str], family: set[str]) -> bool:
+    """Cheap gate before the NER: a known given name that could pass person_span's rules (most texts of a task
+    dataset have none, and the NER is the slow part)."""
+    for match in WORD.finditer(text):
+        word = match.group(0)
+        if word not in given or word.lower() in CALENDAR_WORDS:
+            continue
+        line_start = match.start() == 0 or text[:match.start()].rstrip(" \t")[-1:] in ("\n", ".", "!", "?", ":", "")
+        followed_by_name = re.match(r"[ \t]+[A-Z]", text[match.end():]) is not None
+        if followed_by_name or not line_start:
+            return True
+    return any(m.group(2) in family and m.group(1).lower() not in common_words()
+               for m in SURNAME_AFTER_WORD.finditer(text))
+
+
+def person_span(doc: Any, ent: Any, given: set[str], known_first: bool = True) -> tuple[int, int] | None:
+    """The characters of a person's name in a spaCy span, or None when it does not look like one (see
+    PersonRecognizer's rules)."""
+    tokens = [t for t in ent if not t.is_space]
+    while tokens and (tokens[0].lower_ in TITLES or tokens[0].lower_ in SALUTATIONS):
+        tokens = tokens[1:]
+    if not tokens or len(tokens) > 4 or "\n" in ent.text:
+        return None
+    for t in tokens:
+        if t.text in (".", "-", "'"):
+            continue  # initials (J. R.), hyphenated and O'Brien-style names
+        word = t.text.replace("-", "").replace("'", "").rstrip(".")
+        if not word.isalpha() or not word[0].isupper() or (len(word) > 1 and word.isupper()):
+            return None  # digits, codes (JPY, x3), lower-case words: not a name
+    if known_first and tokens[0].text not in given:
+        return None
+    following = list(doc[ent.end:ent.end + 3])
+    # "Smith & Sons Ltd", "Kowalski & Synowie": a legal form or company word in or just after the span
+    if any(t.lower_ in ORG_WORDS for t in tokens) or any(t.lower_ in ORG_WORDS for t in following):
+        return None
+    if len(tokens) == 1:
+        first = tokens[0]
+        line_start = first.i == 0 or "\n" in doc[first.i - 1].text_with_ws or doc[first.i - 1].is_punct \
+            and doc[first.i - 1].text in ".!?:"
+        if line_start or first.lower_ in CALENDAR_WORDS:
+            return None
+    return tokens[0].idx, tokens[-1].idx + len(tokens[-1].text)
+
+
+def names_in(doc: Any, given: set[str], family: set[str]) -> list[tuple[int, int]]:
+    """The person names of a spaCy doc: its PERSON entities that look like names, and known given name + known
+    surname pairs the model missed, none inside a longer ORG entity."""
+    # an ORG entity that is exactly a given name + surname is the small model's mistake ("Customer
+    # record for Nadia Lindqvist: ..."); one that is longer holds the name (Soluciones Hidalgo S.L.)
+    orgs = [(e.start_char, e.end_char) for e in doc.ents if e.label_ == "ORG"]
+    spans = [person_span(doc, ent, given) for ent in doc.ents if ent.label_ == "PERSON"]
+    # The small model misses many names in terse business text ("Contact: María García, +34 ...");
+    # a known given name followed by a known surname is a name too (both from Faker's lists).
+    # A capitalised word that is not a common English word before a known surname is a given name the
+    # lists lack (Rahul Raman, Chinonso Okafor); it still needs a private context to be replaced.
+    common = common_words()
+    spans += [(t.idx, nxt.idx + len(nxt.text)) for t, nxt in zip(doc, doc[1:], strict=False)
+              if nxt.text in family and t.whitespace_ == " "
+              and (t.text in given or t.lower_ not in common and t.text.istitle())
+              and person_span(doc, doc[t.i:nxt.i + 1], given, known_first=t.text in given) is not None]
+    return [(start, end) for start, end in sorted(set(filter(None, spans)))
+            if not any(s < end and start < e and (s, e) != (start, end) for s, e in orgs)]
+
+
 def _make_person_recognizer(model_name: str) -> Any:
     from presidio_analyzer import LocalRecognizer, RecognizerResult
 
@@ -90,74 +158,17 @@ def _make_person_recognizer(model_name: str) -> Any:
             self.nlp = _load_ner(model_name)
             self.names = given_names()
             self.surnames = surnames()
-            self.word = re.compile(r"[^\W\d_]+")
 
         def analyze(self, text: str, entities: list[str], nlp_artifacts: Any = None) -> list:
-            if not self._may_have_name(text):
+            if not may_have_name(text, self.names, self.surnames):
                 return []
             spans: set[tuple[int, int]] = set()
             for offset, chunk in text_chunks(text):
-                if offset == 0 and len(chunk) == len(text) or self._may_have_name(chunk):  # the gate per chunk
-                    spans |= {(start + offset, end + offset) for start, end in self._names_in(chunk)}
+                # the gate per chunk
+                if offset == 0 and len(chunk) == len(text) or may_have_name(chunk, self.names, self.surnames):
+                    spans |= {(start + offset, end + offset)
+                              for start, end in names_in(self.nlp(chunk), self.names, self.surnames)}
             return [RecognizerResult("PERSON", start, end, 0.85) for start, end in sorted(spans)]
-
-        def _names_in(self, text: str) -> list[tuple[int, int]]:
-            doc = self.nlp(text)
-            # an ORG entity that is exactly a given name + surname is the small model's mistake ("Customer
-            # record for Nadia Lindqvist: ..."); one that is longer holds the name (Soluciones Hidalgo S.L.)
-            orgs = [(e.start_char, e.end_char) for e in doc.ents if e.label_ == "ORG"]
-            spans = [self._person_span(doc, ent) for ent in doc.ents if ent.label_ == "PERSON"]
-            # The small model misses many names in terse business text ("Contact: María García, +34 ...");
-            # a known given name followed by a known surname is a name too (both from Faker's lists).
-            # A capitalised word that is not a common English word before a known surname is a given name the
-            # lists lack (Rahul Raman, Chinonso Okafor); it still needs a private context to be replaced.
-            common = common_words()
-            spans += [(t.idx, nxt.idx + len(nxt.text)) for t, nxt in zip(doc, doc[1:], strict=False)
-                      if nxt.text in self.surnames and t.whitespace_ == " "
-                      and (t.text in self.names or t.lower_ not in common and t.text.istitle())
-                      and self._person_span(doc, doc[t.i:nxt.i + 1], known_first=t.text in self.names) is not None]
-            return [(start, end) for start, end in sorted(set(filter(None, spans)))
-                    if not any(s < end and start < e and (s, e) != (start, end) for s, e in orgs)]
-
-        def _may_have_name(self, text: str) -> bool:
-            """Cheap gate before the NER: a known given name that could pass _person_span's rules (most
-            texts of a task dataset have none, and the NER is the slow part)."""
-            for match in self.word.finditer(text):
-                word = match.group(0)
-                if word not in self.names or word.lower() in CALENDAR_WORDS:
-                    continue
-                line_start = match.start() == 0 or text[:match.start()].rstrip(" \t")[-1:] in ("\n", ".", "!", "?", ":", "")
-                followed_by_name = re.match(r"[ \t]+[A-Z]", text[match.end():]) is not None
-                if followed_by_name or not line_start:
-                    return True
-            return any(m.group(2) in self.surnames and m.group(1).lower() not in common_words()
-                       for m in SURNAME_AFTER_WORD.finditer(text))
-
-        def _person_span(self, doc: Any, ent: Any, known_first: bool = True) -> tuple[int, int] | None:
-            tokens = [t for t in ent if not t.is_space]
-            while tokens and (tokens[0].lower_ in TITLES or tokens[0].lower_ in SALUTATIONS):
-                tokens = tokens[1:]
-            if not tokens or len(tokens) > 4 or "\n" in ent.text:
-                return None
-            for t in tokens:
-                if t.text in (".", "-", "'"):
-                    continue  # initials (J. R.), hyphenated and O'Brien-style names
-                word = t.text.replace("-", "").replace("'", "").rstrip(".")
-                if not word.isalpha() or not word[0].isupper() or (len(word) > 1 and word.isupper()):
-                    return None  # digits, codes (JPY, x3), lower-case words: not a name
-            if known_first and tokens[0].text not in self.names:
-                return None
-            following = list(doc[ent.end:ent.end + 3])
-            # "Smith & Sons Ltd", "Kowalski & Synowie": a legal form or company word in or just after the span
-            if any(t.lower_ in ORG_WORDS for t in tokens) or any(t.lower_ in ORG_WORDS for t in following):
-                return None
-            if len(tokens) == 1:
-                first = tokens[0]
-                line_start = first.i == 0 or "\n" in doc[first.i - 1].text_with_ws or doc[first.i - 1].is_punct \
-                    and doc[first.i - 1].text in ".!?:"
-                if line_start or first.lower_ in CALENDAR_WORDS:
-                    return None
-            return tokens[0].idx, tokens[-1].idx + len(tokens[-1].text)
 
     return PersonRecognizer()
 
@@ -187,14 +198,9 @@ def _make_email_recognizer() -> Any:
     return OfflineEmailRecognizer(patterns=patterns)
 
 
-def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) -> Any:
-    """A Presidio AnalyzerEngine with exactly the recognizers we use, all offline.
-
-    The NLP engine is Presidio's no-op one: pattern recognizers need no tokens, and PERSON comes from
-    our gated recognizer, which runs spaCy only on texts that contain a given name.
-    """
-    from presidio_analyzer import AnalyzerEngine, Pattern, PatternRecognizer, RecognizerRegistry
-    from presidio_analyzer.nlp_engine import NoOpNlpEngine
+def _pattern_recognizers(phone_regions: Iterable[str]) -> list:
+    """Presidio's pattern recognizers as we configure them (the shapes people write), the phone one gated."""
+    from presidio_analyzer import Pattern, PatternRecognizer
     from presidio_analyzer.predefined_recognizers import (
         CreditCardRecognizer,
         EsNieRecognizer,
@@ -230,8 +236,7 @@ def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) ->
         def validate_result(self, pattern_text: str) -> bool | None:
             return super().validate_result(pattern_text.upper())
 
-    registry = RecognizerRegistry(supported_languages=["en"])
-    recognizers = [
+    return [
         _make_email_recognizer(), GatedPhoneRecognizer(supported_regions=tuple(phone_regions)),
         AnyCaseIbanRecognizer(patterns=[Pattern("IBAN (any grouping)", IBAN_PATTERN, 0.5)], replacement_pairs=separators,
                               regex_flags=re.DOTALL | re.MULTILINE | re.IGNORECASE),
@@ -244,6 +249,19 @@ def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) ->
                         replacement_pairs=separators),
         UrlRecognizer(),
     ]
+
+
+def build_analyzer(names: bool, ner_model: str, phone_regions: Iterable[str]) -> Any:
+    """A Presidio AnalyzerEngine with exactly the recognizers we use, all offline.
+
+    The NLP engine is Presidio's no-op one: pattern recognizers need no tokens, and PERSON comes from
+    our gated recognizer, which runs spaCy only on texts that contain a given name.
+    """
+    from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+    from presidio_analyzer.nlp_engine import NoOpNlpEngine
+
+    registry = RecognizerRegistry(supported_languages=["en"])
+    recognizers = _pattern_recognizers(phone_regions)
     if names:
         recognizers.append(_make_person_recognizer(ner_model))
     for recognizer in recognizers:

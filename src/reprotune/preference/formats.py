@@ -63,9 +63,9 @@ class PairRecord:
 def sft_checked(check: Any, *args: Any) -> Any:
     """One of reprotune.formats' checks (the SFT reader's: tool calls, tool results, tool lists, so both read them
     alike) on one value; its first problem raised as a FormatError."""
-    from reprotune.formats import _Problems, _Reader
+    from reprotune.formats_checks import Problems, Reader
 
-    reader = _Reader(_Problems(""))
+    reader = Reader(Problems(""))
     out = check(*args, reader)
     if reader.problems.items:
         problem = reader.problems.items[0]
@@ -76,10 +76,10 @@ def sft_checked(check: Any, *args: Any) -> Any:
 def tool_message(msg: dict[str, Any], where: str) -> dict[str, Any]:
     """An assistant message with tool_calls or a tool result, canonical as the SFT reader makes it (arguments as JSON
     text, tool_call_id and name kept)."""
-    from reprotune.formats import _message
+    from reprotune.formats_checks import message_of
 
     role = msg.get("role")
-    return sft_checked(_message, {k: v for k, v in msg.items() if k != "weight"}, role, msg.get("content"), 0, where,
+    return sft_checked(message_of, {k: v for k, v in msg.items() if k != "weight"}, role, msg.get("content"), 0, where,
                        "content")
 
 
@@ -132,9 +132,9 @@ def with_tools(row: dict[str, Any], value: Any) -> dict[str, Any]:
         return row
     if isinstance(row["prompt"], str):
         raise FormatError("tools", "tools need conversational rows (a chat template renders them)")
-    from reprotune.formats import _tools
+    from reprotune.formats_checks import tools_of
 
-    tools = sft_checked(_tools, value, 0)
+    tools = sft_checked(tools_of, value, 0)
     return {**row, "tools": json.dumps(tools, ensure_ascii=False)} if tools else row
 
 

@@ -103,88 +103,109 @@ def _starts(lengths: list[int]) -> list[int]:
     return out
 
 
+@dataclass
+class _PackBuilder:
+    """The packed row under construction: its tokens, positions and shifted labels, each document's query and key
+    spans, and where each scored position of the padded batch lands in it."""
+    ids: list[list[int]]
+    lab: list[list[int]]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+    shift: list[int] = dataclasses.field(default_factory=list)
+    q_lengths: list[int] = dataclasses.field(default_factory=list)
+    k_index: list[int] = dataclasses.field(default_factory=list)
+    k_lengths: list[int] = dataclasses.field(default_factory=list)
+    back_rows: list[int] = dataclasses.field(default_factory=list)
+    back_cols: list[int] = dataclasses.field(default_factory=list)
+    back_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def scored(self, row: int, length: int) -> list[int]:
+        """Shifted columns t whose next token row[t + 1] is scored."""
+        return [t for t in range(length - 1) if self.lab[row][t + 1] != -100]
+
+    def whole(self, row: int, length: int, score_all: bool = False) -> int:
+        """Append row[:length] as one causal document (score_all: every next token scored); its first packed
+        position."""
+        start = len(self.tokens)
+        self.tokens.extend(self.ids[row][:length])
+        self.positions.extend(range(length))
+        self.shift.extend([*(self.ids if score_all else self.lab)[row][1:length], -100])
+        self.q_lengths.append(length)
+        self.k_index.extend(range(start, start + length))
+        self.k_lengths.append(length)
+        for t in (range(length - 1) if score_all else self.scored(row, length)):
+            self.back_rows.append(row)
+            self.back_cols.append(t)
+            self.back_pos.append(start + t)
+        return start
+
+    def answer_after_prompt(self, r: int, p: int, len_r: int, start_c: int) -> None:
+        """[p', rejected]: p' (the prompt's last token again) predicts the rejected answer's first token; its keys
+        are the chosen document's prompt, then itself."""
+        start = len(self.tokens)
+        answer = len_r - p
+        self.tokens.extend(self.ids[r][p - 1:len_r])
+        self.positions.extend(range(p - 1, len_r))
+        self.shift.extend([*self.lab[r][p:len_r], -100])
+        self.q_lengths.append(answer + 1)
+        self.k_index.extend([*range(start_c, start_c + p), *range(start + 1, start + 1 + answer)])
+        self.k_lengths.append(p + answer)
+        for t in self.scored(r, len_r):  # t >= p - 1: the packed position of the token at column t
+            self.back_rows.append(r)
+            self.back_cols.append(t)
+            self.back_pos.append(start + t - (p - 1))
+
+    def add_pair(self, c: int, r: int, len_c: int, len_r: int, score_whole_chosen: bool) -> None:
+        """The chosen sequence whole, then the rejected answer after the shared prompt (or whole, when the two
+        prompts differ)."""
+        ids, lab = self.ids, self.lab
+        prompt_c = next((t for t in range(len_c) if lab[c][t] != -100), len_c)
+        prompt_r = next((t for t in range(len_r) if lab[r][t] != -100), len_r)
+        start_c = self.whole(c, len_c, score_whole_chosen)
+        p = prompt_c
+        shared = (p == prompt_r and 1 <= p < len_r and len_c >= p and ids[c][:p] == ids[r][:p]
+                  and all(v == -100 for v in lab[r][:p]))
+        if shared:
+            self.answer_after_prompt(r, p, len_r, start_c)
+        else:
+            self.whole(r, len_r)
+
+    def packed(self, n_rows: int, width: int) -> Packed:
+        """The packed batch on the host."""
+        import torch
+
+        def tensor(values: list[int], dtype=torch.long) -> Any:
+            return torch.tensor(values, dtype=dtype)
+
+        q_lengths, k_lengths = self.q_lengths, self.k_lengths
+        cu_q = tensor(_starts(q_lengths) + [sum(q_lengths)], torch.int32)
+        cu_k = tensor(_starts(k_lengths) + [sum(k_lengths)], torch.int32)
+        layout = PairLayout(q_starts=_starts(q_lengths), q_lengths=q_lengths, k_index=tensor(self.k_index),
+                            k_lengths=k_lengths, cu_q=cu_q, cu_k=cu_k, max_q=max(q_lengths), max_k=max(k_lengths))
+        host_ids = tensor(self.tokens)
+        return Packed(input_ids=host_ids[None], position_ids=tensor(self.positions)[None],
+                      shift_labels=tensor(self.shift)[None], layout=layout, rows=tensor(self.back_rows),
+                      cols=tensor(self.back_cols), positions=tensor(self.back_pos), shape=(n_rows, width - 1),
+                      host_ids=host_ids)
+
+
 def pack_pairs(input_ids: Any, attention_mask: Any, labels: Any, share_prompts: bool = True,
                score_whole_chosen: bool = False) -> Packed:
     """The packed row of TRL's padded pair batch (rows 0..B-1 chosen, B..2B-1 rejected, right padding; labels =
     input_ids with -100 outside the completion); share_prompts=False: every row its own document (KTO's
     unpaired rows); score_whole_chosen: every next token of the chosen sequence is scored, its prompt's too (ORPO's
     NLL term), the rejected answer's as the labels say."""
-    import torch
-
     device = input_ids.device
-    ids, mask, lab = input_ids.tolist(), attention_mask.tolist(), labels.tolist()
-    n_rows, width = len(ids), len(ids[0])
+    builder = _PackBuilder(input_ids.tolist(), labels.tolist())
+    mask = attention_mask.tolist()
+    n_rows, width = len(builder.ids), len(builder.ids[0])
     pairs = n_rows // 2
-    tokens: list[int] = []
-    positions: list[int] = []
-    shift: list[int] = []
-    q_lengths: list[int] = []
-    k_index: list[int] = []
-    k_lengths: list[int] = []
-    back_rows: list[int] = []
-    back_cols: list[int] = []
-    back_pos: list[int] = []
-
-    def scored(row: int, length: int) -> list[int]:
-        """Shifted columns t whose next token row[t + 1] is scored."""
-        return [t for t in range(length - 1) if lab[row][t + 1] != -100]
-
-    def whole(row: int, length: int, score_all: bool = False) -> int:
-        """Append row[:length] as one causal document (score_all: every next token scored); its first packed
-        position."""
-        start = len(tokens)
-        tokens.extend(ids[row][:length])
-        positions.extend(range(length))
-        shift.extend([*(ids if score_all else lab)[row][1:length], -100])
-        q_lengths.append(length)
-        k_index.extend(range(start, start + length))
-        k_lengths.append(length)
-        for t in (range(length - 1) if score_all else scored(row, length)):
-            back_rows.append(row)
-            back_cols.append(t)
-            back_pos.append(start + t)
-        return start
-
     if not share_prompts:  # KTO's unpaired rows: each its own document
         for row in range(n_rows):
-            whole(row, sum(mask[row]))
+            builder.whole(row, sum(mask[row]))
     for i in range(pairs if share_prompts else 0):
-        c, r = i, pairs + i
-        len_c, len_r = sum(mask[c]), sum(mask[r])
-        prompt_c = next((t for t in range(len_c) if lab[c][t] != -100), len_c)
-        prompt_r = next((t for t in range(len_r) if lab[r][t] != -100), len_r)
-        start_c = whole(c, len_c, score_whole_chosen)
-        p = prompt_c
-        shared = (p == prompt_r and 1 <= p < len_r and len_c >= p and ids[c][:p] == ids[r][:p]
-                  and all(v == -100 for v in lab[r][:p]))
-        if not shared:
-            whole(r, len_r)
-            continue
-        # [p', rejected]: p' (the prompt's last token again) predicts the rejected answer's first token
-        start = len(tokens)
-        answer = len_r - p
-        tokens.extend(ids[r][p - 1:len_r])
-        positions.extend(range(p - 1, len_r))
-        shift.extend([*lab[r][p:len_r], -100])
-        q_lengths.append(answer + 1)
-        k_index.extend([*range(start_c, start_c + p), *range(start + 1, start + 1 + answer)])
-        k_lengths.append(p + answer)
-        for t in scored(r, len_r):  # t >= p - 1: the packed position of the token at column t
-            back_rows.append(r)
-            back_cols.append(t)
-            back_pos.append(start + t - (p - 1))
-
-    def tensor(values: list[int], dtype=torch.long) -> Any:
-        return torch.tensor(values, dtype=dtype)
-
-    cu_q = tensor(_starts(q_lengths) + [sum(q_lengths)], torch.int32)
-    cu_k = tensor(_starts(k_lengths) + [sum(k_lengths)], torch.int32)
-    layout = PairLayout(q_starts=_starts(q_lengths), q_lengths=q_lengths, k_index=tensor(k_index),
-                        k_lengths=k_lengths, cu_q=cu_q, cu_k=cu_k, max_q=max(q_lengths), max_k=max(k_lengths))
-    host_ids = tensor(tokens)
-    packed = Packed(input_ids=host_ids[None], position_ids=tensor(positions)[None],
-                    shift_labels=tensor(shift)[None], layout=layout, rows=tensor(back_rows), cols=tensor(back_cols),
-                    positions=tensor(back_pos), shape=(n_rows, width - 1), host_ids=host_ids)
+        builder.add_pair(i, pairs + i, sum(mask[i]), sum(mask[pairs + i]), score_whole_chosen)
+    packed = builder.packed(n_rows, width)
     return packed if device.type == "cpu" else packed.to(device)
 
 

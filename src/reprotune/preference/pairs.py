@@ -24,6 +24,7 @@ import json
 import logging
 import random
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,19 +201,17 @@ def lengths_bytes(packed: list[int]) -> bytes:
                                 "reprotune.preference.packed)", "packed_pair_tokens": packed}) + "\n").encode()
 
 
-def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
-    """The pairs read, cleaned, scrubbed, measured and split; every output but the manifest written at once."""
-    from reprotune.prepare_report import distribution, plot_lengths, rejected_bytes
-
-    data, out, pref = cfg.data, Path(cfg.paths.prepared), settings(cfg)
-    records, skipped, files = read_records(cfg)
+def drop_duplicates_and_ties(cfg: DictConfig, records: list[PairRecord]
+                             ) -> tuple[list[PairRecord], list[PairRecord], list[PairRecord], str]:
+    """(the unique records, the ties among them, those kept, data.preference.ties): a tie's two answers are the
+    same, so it teaches nothing (dropped unless ties=keep)."""
     seen, unique = set(), []
     for r in records:
         key = content_key(r.row)
         if key not in seen:
             seen.add(key)
             unique.append(r)
-    ties_policy = str(pref.get("ties", "drop"))
+    ties_policy = str(settings(cfg).get("ties", "drop"))
     if ties_policy not in ("drop", "keep"):
         raise ReprotuneError(f"{source(cfg)}:0: data.preference.ties: unknown policy {ties_policy!r} (drop or keep)")
     ties = [r for r in unique if is_tie(r.row)]
@@ -220,26 +219,52 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
     if not kept:
         raise ReprotuneError(f"{source(cfg)}:0: data: no preference records left ({len(records)} read, "
                              f"{len(ties)} ties dropped)")
-    rows, pii_report = scrub_pairs(cfg, kept)
-    tokenizer, max_length = load_tokenizer(cfg), int(data.max_length)
-    check_tools(tokenizer, kept, rows, cfg)
+    return unique, ties, kept, ties_policy
+
+
+@dataclass
+class PairSplit:
+    """The pairs that fit max_length, split into train and holdout, with their lengths (train's measured whole:
+    (longest sequence, packed pair tokens, answer tokens))."""
+    train_rows: list[dict]
+    holdout_rows: list[dict]
+    train_len: list[int]
+    holdout_len: list[int]
+    train_measured: list[tuple]
+    overlong: int
+
+
+def split_pairs(cfg: DictConfig, kept: list[PairRecord], rows: list[dict], tokenizer: Any) -> PairSplit:
+    """Measured in the training tokenizer, over-long pairs dropped, the rest split by the prompt as read (before
+    scrubbing)."""
+    data = cfg.data
     measured = [sequence_lengths(tokenizer, row) for row in rows]
     lengths = [m[0] for m in measured]
-    fits = [n <= max_length for n in lengths]
+    fits = [n <= int(data.max_length) for n in lengths]
     holdout = [in_holdout(r, float(data.holdout_fraction)) for r in kept]  # the prompt as read, before scrubbing
-    train_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and not h]
-    holdout_rows = [row for row, ok, h in zip(rows, fits, holdout, strict=True) if ok and h]
-    if not train_rows:
+
+    def part(values: list, in_holdout_part: bool) -> list:
+        return [v for v, ok, h in zip(values, fits, holdout, strict=True) if ok and h == in_holdout_part]
+
+    split = PairSplit(part(rows, False), part(rows, True), part(lengths, False), part(lengths, True),
+                      part(measured, False), fits.count(False))
+    if not split.train_rows:
         raise ReprotuneError(f"{source(cfg)}:0: data: no training pairs left after dedup, ties, split and length")
-    train_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and not h]
-    holdout_len = [n for n, ok, h in zip(lengths, fits, holdout, strict=True) if ok and h]
-    train_measured = [m for m, ok, h in zip(measured, fits, holdout, strict=True) if ok and not h]
-    packed_train = [m[1] for m in train_measured]
-    report = {
+    return split
+
+
+def pairs_report(cfg: DictConfig, records: list[PairRecord], skipped: list, unique: list[PairRecord],
+                 ties: list[PairRecord], ties_policy: str, rows: list[dict], split: PairSplit) -> dict[str, Any]:
+    """report.json of the prepared pairs: inputs, what was dropped and why, the split, the token lengths."""
+    from reprotune.prepare_report import distribution
+
+    data, pref = cfg.data, settings(cfg)
+    packed_train = [m[1] for m in split.train_measured]
+    return {
         "objective": str(cfg.objective.name),
         "inputs": [{"file": f, "format": fmt, "records": n} for (f, fmt), n in
                    sorted(Counter((r.file, r.format) for r in records).items())],
-        "holdout_fraction": float(data.holdout_fraction), "max_length": max_length,
+        "holdout_fraction": float(data.holdout_fraction), "max_length": int(data.max_length),
         "split_key": "conversation (as the SFT prepare)" if pref.get("rejected") and records and
         records[0].split_key else "prompt",
         "pairs": {"read": len(records) + len(skipped), "skipped_invalid": len(skipped),
@@ -247,31 +272,46 @@ def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
                   "ties": {"policy": ties_policy, "count": len(ties),
                            "dropped": len(ties) if ties_policy == "drop" else 0,
                            "where": [f"{r.file}:{r.line}" for r in ties[:20]]},
-                  "overlong": {"policy": "drop", "dropped": fits.count(False)},
-                  "train": len(train_rows), "holdout": len(holdout_rows),
+                  "overlong": {"policy": "drop", "dropped": split.overlong},
+                  "train": len(split.train_rows), "holdout": len(split.holdout_rows),
                   "paired": all("chosen" in row for row in rows)},
         "tokens": {"model": str(cfg.model.name), "longest_sequence_of_pair": True,
-                   "train": distribution(train_len), "holdout": distribution(holdout_len),
+                   "train": distribution(split.train_len), "holdout": distribution(split.holdout_len),
                    # what a packed DPO micro-batch holds per pair (the plan's unit): the prompt once, both answers
                    "packed_pair_train": distribution(packed_train),
-                   "answer_share_train": round(sum(m[2] for m in train_measured) / max(1, sum(packed_train)), 4)},
+                   "answer_share_train": round(sum(m[2] for m in split.train_measured) / max(1, sum(packed_train)),
+                                               4)},
         "scrub": bool(data.scrub),
     }
-    metrics = {"pairs_train": len(train_rows), "pairs_holdout": len(holdout_rows), "ties": len(ties),
-               "duplicates_dropped": report["pairs"]["duplicates_dropped"], "overlong_dropped": fits.count(False),
+
+
+def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
+    """The pairs read, cleaned, scrubbed, measured and split; every output but the manifest written at once."""
+    from reprotune.prepare_report import plot_lengths, rejected_bytes
+
+    out = Path(cfg.paths.prepared)
+    records, skipped, files = read_records(cfg)
+    unique, ties, kept, ties_policy = drop_duplicates_and_ties(cfg, records)
+    rows, pii_report = scrub_pairs(cfg, kept)
+    tokenizer = load_tokenizer(cfg)
+    check_tools(tokenizer, kept, rows, cfg)
+    split = split_pairs(cfg, kept, rows, tokenizer)
+    report = pairs_report(cfg, records, skipped, unique, ties, ties_policy, rows, split)
+    metrics = {"pairs_train": len(split.train_rows), "pairs_holdout": len(split.holdout_rows), "ties": len(ties),
+               "duplicates_dropped": report["pairs"]["duplicates_dropped"], "overlong_dropped": split.overlong,
                "skipped_invalid": len(skipped), "tokens_train_mean": report["tokens"]["train"].get("mean", 0),
                "pii_replacements": sum(v.get("replacements", 0) for v in pii_report.get("entities", {}).values())}
     plot_tmp = work / "lengths.png"
-    plot_lengths(train_len, holdout_len, max_length, plot_tmp)
+    plot_lengths(split.train_len, split.holdout_len, int(cfg.data.max_length), plot_tmp)
     replace_all({
-        out / "train.jsonl": b"".join(row_line(r) for r in train_rows),
-        out / "holdout.jsonl": b"".join(row_line(r) for r in holdout_rows),
+        out / "train.jsonl": b"".join(row_line(r) for r in split.train_rows),
+        out / "holdout.jsonl": b"".join(row_line(r) for r in split.holdout_rows),
         out / "rejected.jsonl": rejected_bytes(skipped),
         out / "report.json": (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
         out / "pii_report.json": (json.dumps(pii_report, indent=2, sort_keys=True) + "\n").encode(),
         out / "metrics.json": (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode(),
-        out / PAIR_LENGTHS_FILE: lengths_bytes(packed_train),
+        out / PAIR_LENGTHS_FILE: lengths_bytes([m[1] for m in split.train_measured]),
         out / "lengths.png": plot_tmp,
     })
     log.info("pairs: %s", {k: v for k, v in report["pairs"].items() if k != "ties"} | {"ties": len(ties)})
-    return {"train": len(train_rows), "holdout": len(holdout_rows), "report": report, "pii": pii_report}
+    return {"train": len(split.train_rows), "holdout": len(split.holdout_rows), "report": report, "pii": pii_report}

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from reprotune.config import library_keys
 from reprotune.errors import ReprotuneError
 from reprotune.io import iter_jsonl
-from reprotune.preference import WITH_REFERENCE, objective_name
+from reprotune.objectives import objective
 from reprotune.run_settings import RunSettings
 from reprotune.schema import OBJECTIVES
 from reprotune.trainer_args import guarantee_keys
@@ -179,7 +179,8 @@ def objective_wins(train_keys: dict[str, Any], objective_keys: dict[str, Any]) -
 
 def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
-    _, config_class = trl_classes(objective_name(cfg))
+    obj = objective(cfg)
+    _, config_class = trl_classes(obj.name)
     skip = sft_only_keys(config_class)
     keys = {k: v for k, v in library_keys(cfg, "train").items() if k not in skip}
     own = library_keys(cfg, "objective")
@@ -203,7 +204,7 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
         keys["activation_offloading"] = run.activation_offloading
     elif run.activation_offloading:
         raise ReprotuneError(f"hardware.activation_offloading=true: TRL's {config_class.__name__} has no "
-                             f"activation offloading (objective={objective_name(cfg)}); leave it auto or false")
+                             f"activation offloading (objective={obj.name}); leave it auto or false")
     return config_class(**keys)
 
 
@@ -242,9 +243,9 @@ def with_init_adapter(model: Any, path: Path | None) -> Any:
 
 def reference(cfg: DictConfig) -> str:
     """What the implicit reward is measured against, in words for the manifest and the log."""
-    name = objective_name(cfg)
-    if name not in WITH_REFERENCE:
-        return "none (ORPO has no reference model)"
+    obj = objective(cfg)
+    if not obj.reference:
+        return f"none ({obj.name.upper()} has no reference model)"
     if cfg.objective.get("init_adapter"):
         return "init_adapter (a frozen copy of it, TRL's 'ref' adapter)"
     return "base (the adapter disabled)"
@@ -256,7 +257,7 @@ def objective_record(cfg: DictConfig, root: Path) -> dict[str, Any]:
 
     init = init_adapter_dir(cfg)
     loss = cfg.objective.get("loss_type")
-    return {"name": objective_name(cfg), "reference": reference(cfg), "beta": cfg.objective.get("beta"),
+    return {"name": objective(cfg).name, "reference": reference(cfg), "beta": cfg.objective.get("beta"),
             "loss_type": OmegaConf.to_container(loss) if OmegaConf.is_config(loss) else loss,
             "init_adapter": mf.path_record(init, root) if init else None}
 

@@ -12,8 +12,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from reprotune.run_settings import Settings
 from reprotune.sizing.decide import configured_settings
-from reprotune.sizing.memory import Settings, memory
+from reprotune.sizing.memory import memory
 from reprotune.sizing.shape import PLAN_DIR, DataShape, count_params, load_table, model_shape
 from reprotune.sizing.throughput import overhead_terms, step_work, tokens_per_second
 

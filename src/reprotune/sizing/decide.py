@@ -30,17 +30,17 @@ from reprotune.errors import ReprotuneError
 from reprotune.families import LLAMA_STYLE
 from reprotune.models import random_init_architecture
 from reprotune.objectives import objective
-from reprotune.run_settings import RunSettings
+from reprotune.run_settings import RunSettings, Settings
 from reprotune.runtime import attention, deterministic_kernels, resolve_dtype
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import (
     GIB,
-    Settings,
     drawn_tokens,
     input_embedding_bytes,
     memory_budget,
     needed_bytes,
 )
+from reprotune.sizing.preference_plan import packed_reasons, padded_batch, padded_reason, pair_row_tokens
 from reprotune.sizing.shape import (
     DataShape,
     PlanError,
@@ -314,14 +314,6 @@ def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
     return objective(cfg).packs and p.packing
 
 
-def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
-    """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
-    each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
-    data = load_data_shape(cfg, padded=False) if data == "prepared" else data
-    paired = objective(cfg).paired
-    return data.max_tokens if data else (2 if paired else 1) * int(cfg.train.max_length)
-
-
 def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
     """A preference run on TRL 1.16's padded batches: DPO, ORPO or KTO unpacked (train.packing=false; ORPO and KTO
     off a GPU)."""
@@ -331,48 +323,6 @@ def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
 def preference_padded_on(cfg: DictConfig, hw: Hardware) -> bool:
     """padded_preference on `hw` (make plan reads the prepared rows the way the run will batch them)."""
     return padded_preference(cfg, _paths(cfg, hw))
-
-
-def padded_batch(cfg: DictConfig) -> dict[str, Any]:
-    """What a micro-batch of a padded preference objective runs, from TRL 1.16's trainers (trl/trainer/dpo_trainer.py
-    DataCollatorForPreference and _compute_loss, trl/experimental/orpo/orpo_trainer.py concatenated_forward,
-    trl/trainer/kto_trainer.py _compute_loss and _compute_kl_logps), as the memory model's Settings fields:
-    - DPO: 2B rows (prompt + chosen, prompt + rejected) padded to the longest, the policy's forward with gradients,
-      then the reference's over the same rows under torch.no_grad (none with precompute_ref_log_probs);
-    - ORPO: the same 2B rows, no reference; the model returns the logits of every position (no fused LM head);
-    - KTO: B rows (a prompt and its completion) with gradients; its KL batch (B rows of a prompt and the previous
-      example's completion, loss_type kto) goes through the policy under torch.no_grad, before its forward, and
-      through the reference, after it; the reference forward of the B rows under torch.no_grad."""
-    obj, conf = objective(cfg), cfg.objective
-    return {"sequences": 2 if obj.paired else 1,
-            "reference": obj.reference and not conf.get("precompute_ref_log_probs", False),
-            "kl_rows": obj.kl_batch and str(conf.get("loss_type", "kto")) != "apo_zero_unpaired",
-            "full_logits": obj.full_logits}
-
-
-def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
-    """The plan's line for a padded preference run (its settings as fitted)."""
-    b, longest = s.batch_size, s.max_length if data is None else min(data.max_tokens, s.max_length)
-    where = "the prepared rows' longest sequence" if data else "max_length: no prepared rows"
-    if s.sequences == 2:
-        rows = (f"2B rows (B = {b} pairs: {2 * b} rows, prompt + chosen and prompt + rejected) of the longest "
-                f"sequence ({longest} tokens, {where})")
-    else:
-        rows = f"B rows (B = {b}: a prompt and its completion) of the longest sequence ({longest} tokens, {where})"
-    extra = []
-    if s.reference:
-        extra.append("the reference forward over them without gradients (no saved activations, a transient)")
-    elif objective(cfg).reference:
-        extra.append("no reference forward (precompute_ref_log_probs)")
-    else:
-        extra.append("no reference")
-    if s.kl_rows:
-        extra.append(f"the KL batch ({b} mismatched prompt/completion rows) through the policy"
-                     f"{' and the reference' if s.reference else ''} without gradients")
-    if s.full_logits:
-        extra.append("the logits of every position (TRL's ORPO has no fused LM head)")
-    return (f"padded pairs: {objective(cfg).name} modelled as {rows} with gradients; {'; '.join(extra)}; "
-            "held to one H200 run each of 8B LoRA ORPO and KTO (conf/plan/calibration.json)")
 
 
 def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "prepared") -> Settings:
@@ -435,6 +385,86 @@ def configured_settings(cfg: DictConfig, hw: Hardware | None = None) -> Settings
     return _memory_view(cfg, _paths(cfg, hw or Hardware(device="cuda")))
 
 
+@dataclass(frozen=True)
+class _Fitted:
+    """The batch and memory switches as configured, then as the fit on a GPU chose them."""
+    rows: int
+    accum: int
+    ckpt: Any            # hardware.gradient_checkpointing: auto until the fit decides
+    every: int
+    offload: bool | None
+    tile: int
+    host: bool | None
+    planned: Settings | None
+    budget: float | None = None
+    predicted: dict[str, Any] | None = None
+    fits: bool = True
+    fallback: Settings | None = None
+    fallback_gib: float | None = None
+
+
+def _fit_reasons(hw: Hardware, shape: Shape, data: DataShape | None, planned: Settings,
+                 predicted: dict[str, Any]) -> list[str]:
+    """The plan's lines for what the fit switched on: drawn micro-batches, the host embedding, offloading, tiles."""
+    reasons = []
+    if drawn := drawn_tokens(planned, data):
+        reasons.append(f"plan: the largest micro-batch of {planned.batch_size} pairs this run draws holds {drawn} "
+                       f"tokens (its seeded order, reprotune.sizing.draws), not {planned.batch_size} x the "
+                       f"longest pair = {planned.batch_size * planned.max_length}")
+    if planned.host_embedding:
+        freed = input_embedding_bytes(shape.vocab * shape.hidden, planned)
+        reasons.append(f"input embedding on the host: {freed / GIB:.2f} GiB of GPU memory for activations, its "
+                       "rows gathered there and copied to the GPU each forward (the same values)")
+    if planned.offload:
+        reasons.append(f"activation offloading: {predicted['host_offload_gib']} GiB of pinned host memory"
+                       + (f" of {hw.host_available_bytes / GIB:.1f} GiB available"
+                          if hw.host_available_bytes else ""))
+    if planned.tiled_mlp:
+        reasons.append(f"MLP in {planned.tiled_mlp}-token tiles: its intermediates live for one tile at a time")
+    return reasons
+
+
+def _fit_on_gpu(cfg: DictConfig, hw: Hardware, p: _Paths, shape: Shape, data: DataShape | None, f: _Fitted,
+                tiled: bool | None, reasons: list[str]) -> _Fitted:
+    """The fastest setting the memory model fits in the budget (reprotune.sizing.fit); when none fits, the
+    smallest card it would fit on (fallback)."""
+    consts = load_table("memory.yaml")
+    budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
+    planned, predicted = fit_to_budget(f.planned, not _auto(f.ckpt), shape, data, budget, consts, f.offload, tiled,
+                                       hw.host_available_bytes, configured_tile(cfg), f.host)
+    fits = needed_bytes(predicted, consts) <= hw.free_bytes and fits_host(predicted, hw.host_available_bytes)
+    fallback = fallback_gib = None
+    if not fits:
+        found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
+                                hw.free_bytes / GIB, consts, f.offload, tiled, hw.host_available_bytes,
+                                configured_tile(cfg), f.host)
+        fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
+    if _auto(f.ckpt):
+        f = replace(f, rows=planned.batch_size, accum=planned.grad_accum, ckpt=planned.checkpointing,
+                    every=planned.ckpt_every)
+        reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
+                       f"{budget / GIB:.1f} GiB budget")
+    reasons += _fit_reasons(hw, shape, data, planned, predicted)
+    return replace(f, offload=planned.offload, tile=planned.tiled_mlp, host=planned.host_embedding, planned=planned,
+                   budget=budget, predicted=predicted, fits=fits, fallback=fallback, fallback_gib=fallback_gib)
+
+
+def _run_settings(cfg: DictConfig, hw: Hardware, p: _Paths, f: _Fitted, reasons: list[str]) -> RunSettings:
+    ckpt = False if _auto(f.ckpt) else bool(f.ckpt)  # off CUDA nothing is fitted: auto is off
+    strategy = distributed.strategy(cfg, hw.world_size)
+    process_accum, batch_line = distributed.global_batch(cfg, f.rows, f.accum, hw.world_size)
+    return RunSettings(method=str(cfg.method.name), device=hw.device, dtype=p.dtype, packing=p.packing,
+                       attn_implementation=p.attn, liger=p.liger, norm_kernel=p.norm, fused_lora=p.fused, optim=p.optim,
+                       dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
+                       checkpoint_every_n_layers=f.every if ckpt else 1, activation_offloading=bool(f.offload),
+                       tiled_mlp_tokens=f.tile, embedding_on_host=bool(f.host), dataloader_workers=p.workers,
+                       per_device_train_batch_size=f.rows,
+                       gradient_accumulation_steps=f.accum, world_size=hw.world_size, strategy=strategy,
+                       process_accumulation=process_accum, global_batch=batch_line, budget_bytes=f.budget,
+                       planned=f.planned, predicted=f.predicted, fits=f.fits, fallback=f.fallback,
+                       fallback_card_gib=f.fallback_gib, reasons=tuple(reasons))
+
+
 def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
            data: DataShape | None | str = "prepared") -> RunSettings:
     """The run's settings on `hw`. shape: the model's (default: from its preset, reprotune.sizing.shape.model_shape;
@@ -449,70 +479,16 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         shape = None
     padded = padded_preference(cfg, p)
     data = load_data_shape(cfg, padded=padded, world_size=hw.world_size) if data == "prepared" else data
-    obj = objective(cfg)
-    if shape is not None and packed_pairs(cfg, p) and obj.paired and obj.reference:  # DPO
-        reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
-                       "once, both answers); the reference forward runs without gradients")
-    elif shape is not None and packed_pairs(cfg, p) and obj.paired:  # ORPO
-        reasons.append(f"plan: a pair is one packed row of up to {pair_row_tokens(cfg, data)} tokens (the prompt "
-                       "once, both answers), every token scored by the fused LM head (the chosen NLL); no reference")
-        # the LM head's share of the packed tokens: the whole chosen sequence (bounded by all of them)
-        data = replace(data, assistant_share=1.0) if data else data
-    elif shape is not None and packed_pairs(cfg, p):
-        reasons.append(f"plan: an example is one packed row of up to {pair_row_tokens(cfg, data)} tokens; the KL "
-                       "batch and the reference forwards run without gradients")
-    planned = _memory_view(cfg, p, data) if shape else None
-    rows, accum = int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
-    ckpt, every = cfg.hardware.gradient_checkpointing, every_n_layers(cfg)
+    if shape is not None and packed_pairs(cfg, p):
+        lines, data = packed_reasons(cfg, data)
+        reasons += lines
     offload, tiled = long_context_switches(cfg, hw.device)
-    host = embedding_switch(cfg, hw, shape)
-    tile = tile_tokens(cfg) if tiled else 0
-    budget = predicted = fallback = fallback_gib = None
-    fits = True
-    if hw.device == "cuda" and planned is not None:
-        consts = load_table("memory.yaml")
-        budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
-        planned, predicted = fit_to_budget(planned, not _auto(ckpt), shape, data, budget, consts, offload, tiled,
-                                           hw.host_available_bytes, configured_tile(cfg), host)
-        fits = (needed_bytes(predicted, consts) <= hw.free_bytes
-                and fits_host(predicted, hw.host_available_bytes))
-        if not fits:
-            found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
-                                    hw.free_bytes / GIB, consts, offload, tiled, hw.host_available_bytes,
-                                    configured_tile(cfg), host)
-            fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
-        if _auto(ckpt):
-            rows, accum, ckpt, every = planned.batch_size, planned.grad_accum, planned.checkpointing, planned.ckpt_every
-            reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
-                           f"{budget / GIB:.1f} GiB budget")
-        offload, tile, host = planned.offload, planned.tiled_mlp, planned.host_embedding
-        drawn = drawn_tokens(planned, data)
-        if drawn:
-            reasons.append(f"plan: the largest micro-batch of {planned.batch_size} pairs this run draws holds {drawn} "
-                           f"tokens (its seeded order, reprotune.sizing.draws), not {planned.batch_size} x the "
-                           f"longest pair = {planned.batch_size * planned.max_length}")
-        if host:
-            freed = input_embedding_bytes(shape.vocab * shape.hidden, planned)
-            reasons.append(f"input embedding on the host: {freed / GIB:.2f} GiB of GPU memory for activations, its "
-                           "rows gathered there and copied to the GPU each forward (the same values)")
-        if offload:
-            reasons.append(f"activation offloading: {predicted['host_offload_gib']} GiB of pinned host memory"
-                           + (f" of {hw.host_available_bytes / GIB:.1f} GiB available"
-                              if hw.host_available_bytes else ""))
-        if tile:
-            reasons.append(f"MLP in {tile}-token tiles: its intermediates live for one tile at a time")
-    if padded and planned is not None:
-        reasons.append(f"plan: {padded_reason(cfg, planned, data)}")
-    ckpt = False if _auto(ckpt) else bool(ckpt)  # off CUDA nothing is fitted: auto is off
-    strategy = distributed.strategy(cfg, hw.world_size)
-    process_accum, batch_line = distributed.global_batch(cfg, rows, accum, hw.world_size)
-    return RunSettings(method=str(cfg.method.name), device=hw.device, dtype=p.dtype, packing=p.packing,
-                       attn_implementation=p.attn, liger=p.liger, norm_kernel=p.norm, fused_lora=p.fused, optim=p.optim,
-                       dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
-                       checkpoint_every_n_layers=every if ckpt else 1, activation_offloading=bool(offload),
-                       tiled_mlp_tokens=tile, embedding_on_host=bool(host), dataloader_workers=p.workers,
-                       per_device_train_batch_size=rows,
-                       gradient_accumulation_steps=accum, world_size=hw.world_size, strategy=strategy,
-                       process_accumulation=process_accum, global_batch=batch_line, budget_bytes=budget,
-                       planned=planned, predicted=predicted, fits=fits, fallback=fallback,
-                       fallback_card_gib=fallback_gib, reasons=tuple(reasons))
+    f = _Fitted(rows=int(cfg.train.per_device_train_batch_size), accum=int(cfg.train.gradient_accumulation_steps),
+                ckpt=cfg.hardware.gradient_checkpointing, every=every_n_layers(cfg), offload=offload,
+                tile=tile_tokens(cfg) if tiled else 0, host=embedding_switch(cfg, hw, shape),
+                planned=_memory_view(cfg, p, data) if shape else None)
+    if hw.device == "cuda" and f.planned is not None:
+        f = _fit_on_gpu(cfg, hw, p, shape, data, f, tiled, reasons)
+    if padded and f.planned is not None:
+        reasons.append(f"plan: {padded_reason(cfg, f.planned, data)}")
+    return _run_settings(cfg, hw, p, f, reasons)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from reprotune.sizing.memory import GIB, Settings, memory, needed_bytes
+from reprotune.run_settings import Settings
+from reprotune.sizing.memory import GIB, memory, needed_bytes
 from reprotune.sizing.shape import DataShape, Shape, count_params, load_table
 from reprotune.sizing.throughput import model_tokens_per_second
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from reprotune.sizing.decide import Hardware, RunSettings, configured_settings, decide
+from reprotune.run_settings import RunSettings
+from reprotune.sizing.decide import Hardware, configured_settings, decide
 from reprotune.sizing.fit import describe, overrides_for
 from reprotune.sizing.memory import GIB
 from reprotune.sizing.report import make_plan, write_plan

@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.objectives import objective
+from reprotune.run_settings import RunSettings, Settings
 from reprotune.sizing.calibration import measured_run
 from reprotune.sizing.decide import (
     Hardware,
-    RunSettings,
     card,
     configured_settings,
     decide,
@@ -26,7 +26,7 @@ from reprotune.sizing.decide import (
 )
 from reprotune.sizing.draws import run_keys
 from reprotune.sizing.fit import checkpointing_words, describe, overrides_for
-from reprotune.sizing.memory import GIB, Settings, memory, weight_bytes
+from reprotune.sizing.memory import GIB, memory, weight_bytes
 from reprotune.sizing.shape import (
     BUILTIN_TOKENIZER_VOCAB,
     DataShape,

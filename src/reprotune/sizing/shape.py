@@ -228,8 +228,8 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int
     from reprotune.objectives import objective
 
     obj = objective(cfg)
-    # a preference run's pairs are in paths.pairs (reprotune.preference.route_paths points paths.prepared there)
-    prepared = Path(cfg.paths.pairs if obj.preference and cfg.paths.get("pairs") else cfg.paths.prepared)
+    # a preference run's paths.prepared is its pairs' folder (conf/objective/paths/preference.yaml)
+    prepared = Path(cfg.paths.prepared)
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
     if obj.preference:

@@ -18,8 +18,8 @@ from reprotune.flops import (
     lora_step_flops_per_token,
 )
 from reprotune.objectives import objective
+from reprotune.run_settings import Settings
 from reprotune.sizing.draws import run_keys
-from reprotune.sizing.memory import Settings
 from reprotune.sizing.shape import DataShape, Shape
 
 
