@@ -1,6 +1,6 @@
 """Where a quantized GGUF's greedy answers leave the merged HF model's, and which tensors' quantization moves them.
 
-    python bench/gguf_divergence.py [hydra overrides]   # after 'make gguf' (outputs/merged, outputs/gguf/model-F16.gguf)
+    python bench/gguf_divergence.py [hydra overrides]   # after 'make gguf' (or 'make merge': it converts itself)
     VARIANTS="Q4_K_M; Q4_K_M emb=f16; Q4_K_M ffn_down=q8_0" python bench/gguf_divergence.py ...   # only those rows
     DETAIL="Q4_K_M" python bench/gguf_divergence.py ...  # and each prompt's first diverging token for that variant
     HF_CACHE=/tmp/hf.pt python bench/gguf_divergence.py ...  # keep the merged model's answers and logits for reruns
@@ -153,9 +153,11 @@ def run_variant(v: dict[str, Any], ctx: dict[str, Any]) -> tuple[dict[str, Any],
 
     t0 = time.time()
     path = make_variant(v, ctx["work"], ctx["f16_name"], ctx["src"], ctx["n"])
+    t1 = time.time()
     llm = Llama(model_path=str(path), n_ctx=ctx["n_ctx"], n_threads=ctx["n"], n_threads_batch=ctx["n"],
                 seed=ctx["seed"], verbose=False)
     out = greedy_llama(llm, ctx["ids"], ctx["max_new"], set(ctx["eog"]), v["name"])
+    greedy_s = time.time() - t1
     answers = [llm.detokenize(o).decode("utf-8", errors="ignore") for o in out]
     del llm
     tf_agree, kl = teacher_forced(path, ctx["ids"], ctx["ref"], ctx["n"], ctx["seed"])
@@ -167,7 +169,7 @@ def run_variant(v: dict[str, Any], ctx: dict[str, Any]) -> tuple[dict[str, Any],
            "at": statistics.median(d["at"] for d in diffs) if diffs else None,
            "gap": statistics.median(d["gap"] for d in diffs) if diffs else None,
            "low": sum(d["gap"] < LOW_GAP for d in diffs), "tf_agree": tf_agree, "kl": kl,
-           "seconds": time.time() - t0}
+           "quantize_s": t1 - t0, "greedy_s": greedy_s, "tok_s": sum(map(len, out)) / greedy_s}
     return row, diffs
 
 
@@ -182,13 +184,15 @@ def print_header(ctx: dict[str, Any]) -> None:
           f"{len(gaps)} answer positions: median {statistics.median(gaps):.2f}, {sum(g < LOW_GAP for g in gaps)} "
           f"below {LOW_GAP}, {sum(g < 0.25 for g in gaps)} below 0.25; {ctx['primary']} {fmt(ctx['hf_task'], '.3f')}")
     print(f"{'variant':<40} {'MiB':>6} {'exact':>6} {'tokens':>7} {ctx['primary'] or 'task':>14} "
-          f"{'1st diff at':>11} {'HF gap there':>12} {f'gaps<{LOW_GAP:g}':>8} {'TF top-1':>9} {'TF KL':>8} {'s':>5}")
+          f"{'1st diff at':>11} {'HF gap there':>12} {f'gaps<{LOW_GAP:g}':>8} {'TF top-1':>9} {'TF KL':>8} "
+          f"{'quant s':>7} {'greedy s':>8} {'tok/s':>6}")
 
 
 def print_row(r: dict[str, Any]) -> None:
     print(f"{r['variant']:<40} {r['mib']:>6.1f} {r['exact']:>3}/{r['prompts']:<2} {r['agreement']:>7.1%} "
           f"{fmt(r['task'], '.3f'):>14} {fmt(r['at'], '.0f'):>11} {fmt(r['gap'], '.2f'):>12} {r['low']:>8} "
-          f"{r['tf_agree']:>9.2%} {r['kl']:>8.4f} {r['seconds']:>5.0f}", flush=True)
+          f"{r['tf_agree']:>9.2%} {r['kl']:>8.4f} {r['quantize_s']:>7.1f} {r['greedy_s']:>8.1f} {r['tok_s']:>6.1f}",
+          flush=True)
 
 
 def token_text(tokenizer: Any, token: int | None) -> str:
@@ -223,7 +227,8 @@ def context(overrides: list[str]) -> dict[str, Any]:
     prompts = prompts[: gp.greedy_subset(cfg, len(prompts))]
     ids = [gp.hf_prompt_ids(tokenizer, p) for p in prompts]
     max_new = int(cfg.export.parity.max_new_tokens)
-    f16 = out_dir / "model-F16.gguf"
+    src = g.llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
+    f16, imatrix = base_files(cfg, src, tokenizer, out_dir, g.threads(cfg))
     eog = gb.check_loads_cleanly(f16, gb.accepted_control_tokens(cfg.model, tokenizer))["eog_ids"]
     cache = Path(os.environ["HF_CACHE"]) if os.environ.get("HF_CACHE") else None
     ref = hf_reference(merged, ids, max_new, eog, cache)
@@ -231,10 +236,34 @@ def context(overrides: list[str]) -> dict[str, Any]:
     primary = mx.primary_metric(task_cfg) if task_cfg else None
     hf_task = (gq.task_scores([tokenizer.decode(o) for o in ref["answers"]], refs, task_cfg)[primary]
                if task_cfg else None)
-    return {"cfg": cfg, "out_dir": out_dir, "f16": f16, "f16_name": f16.name, "tokenizer": tokenizer, "ids": ids,
+    return {"cfg": cfg, "imatrix": imatrix, "f16": f16, "f16_name": f16.name, "tokenizer": tokenizer, "ids": ids,
             "max_new": max_new, "eog": eog, "ref": ref, "task_cfg": task_cfg, "refs": refs, "primary": primary,
-            "hf_task": hf_task, "src": g.llamacpp.source_dir(cfg.export.get("llama_cpp_dir")), "n": g.threads(cfg),
-            "n_ctx": int(cfg.export.parity.n_ctx), "seed": int(cfg.seed)}
+            "hf_task": hf_task, "src": src, "n": g.threads(cfg), "n_ctx": int(cfg.export.parity.n_ctx),
+            "seed": int(cfg.seed)}
+
+
+def base_files(cfg: Any, src: Path, tokenizer: Any, out_dir: Path, n: int) -> tuple[Path, Path]:
+    """make gguf's model-F16.gguf and imatrix.gguf; before make gguf has run (make merge only), the bench makes
+    them the way it would (convert_hf_to_gguf.py, llama-imatrix on the train split), in BASE_DIR or a fresh folder
+    that is kept for reruns (its path is printed)."""
+    from reprotune import gguf as g
+    from reprotune import gguf_build as gb
+    from reprotune import gguf_quality as gq
+
+    f16, imatrix = out_dir / "model-F16.gguf", out_dir / gq.IMATRIX_FILE
+    if f16.is_file():
+        return f16, imatrix
+    base = Path(os.environ.get("BASE_DIR") or tempfile.mkdtemp(prefix="gguf-div-base-"))
+    base.mkdir(parents=True, exist_ok=True)
+    f16, imatrix = base / "model-F16.gguf", base / gq.IMATRIX_FILE
+    t0 = time.time()
+    if not f16.is_file():
+        gb.convert(src, Path(cfg.paths.merged), f16, str(cfg.export.outtype), str(cfg.export.name))
+    t1 = time.time()
+    if not imatrix.is_file():
+        g.make_imatrix(cfg, src, tokenizer, f16, base, n)
+    print(f"base files in {base} (convert {t1 - t0:.0f} s, imatrix {time.time() - t1:.0f} s)", flush=True)
+    return f16, imatrix
 
 
 def main(overrides: list[str]) -> None:
@@ -243,7 +272,7 @@ def main(overrides: list[str]) -> None:
     ctx = context(overrides)
     specs = [s.strip() for s in os.environ.get("VARIANTS", "").split(";") if s.strip()] or DEFAULT_VARIANTS
     detail = {s.strip() for s in os.environ.get("DETAIL", "").split(";") if s.strip()}
-    imatrix = ctx["out_dir"] / gq.IMATRIX_FILE
+    imatrix = ctx["imatrix"]
     print_header(ctx)
     ctx["work"] = work = Path(tempfile.mkdtemp(prefix="gguf-div-"))
     details = {}
