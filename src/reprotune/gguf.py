@@ -157,10 +157,10 @@ def start(cfg: DictConfig) -> Run:
 
 def make_base_file(run: Run) -> None:
     """convert_hf_to_gguf.py, then let llama.cpp load the file and say whether anything degrades generation."""
+    cfg = run.cfg  # read as cfg.<key>: reprotune.pipeline finds the stage's params by that name
     with timed(run.timing, "convert_seconds"):
-        gb.convert(run.src, run.merged, run.tmp / run.base_name, str(run.cfg.export.outtype),
-                   str(run.cfg.export.name))
-    run.accepted = gb.accepted_control_tokens(run.cfg.model, run.tokenizer)
+        gb.convert(run.src, run.merged, run.tmp / run.base_name, str(cfg.export.outtype), str(cfg.export.name))
+    run.accepted = gb.accepted_control_tokens(cfg.model, run.tokenizer)
     load = gb.check_loads_cleanly(run.tmp / run.base_name, run.accepted)
     run.eog, run.load_warnings = load["eog_ids"], load["warnings"]
     run.gen_eos = gb.generation_eos(run.merged)
@@ -168,10 +168,11 @@ def make_base_file(run: Run) -> None:
 
 
 def imatrix_step(run: Run) -> dict[str, Any] | None:
-    if not run.cfg.export.imatrix.enabled:
+    cfg = run.cfg
+    if not cfg.export.imatrix.enabled:
         return None
     with timed(run.timing, "imatrix_seconds"):
-        return make_imatrix(run.cfg, run.src, run.tokenizer, run.tmp / run.base_name, run.tmp, run.n_threads)
+        return make_imatrix(cfg, run.src, run.tokenizer, run.tmp / run.base_name, run.tmp, run.n_threads)
 
 
 def reference_answers(run: Run, imatrix: dict[str, Any] | None) -> tuple[dict[str, Any], gp.FileCheck]:
@@ -199,7 +200,8 @@ def reference_answers(run: Run, imatrix: dict[str, Any] | None) -> tuple[dict[st
 def new_report(run: Run, imatrix: dict[str, Any] | None, n_greedy: int, max_new: int, hf_text: list[str]
                ) -> dict[str, Any]:
     """parity.json's settings part, and the tables every file check fills (its keys in this order: same bytes)."""
-    quant = run.cfg.export.quant
+    cfg = run.cfg
+    quant = cfg.export.quant
     return {
         "llama_cpp_python": llamacpp.version(), "holdout_prompts": len(run.prompts),
         "prompt_format": "text" if run.text_prompts else "chat",
@@ -207,7 +209,7 @@ def new_report(run: Run, imatrix: dict[str, Any] | None, n_greedy: int, max_new:
         "greedy_selection": f"the first {n_greedy} holdout prompts in file order "
                             "(export.parity.examples=N, or all)",
         "quant_request": quant if isinstance(quant, str) else list(quant),
-        "imatrix": imatrix, "token_embedding_type": run.cfg.export.token_embedding_type,
+        "imatrix": imatrix, "token_embedding_type": cfg.export.token_embedding_type,
         "tensor_types": run.tensor_types,
         "tokenization": {}, "greedy": {}, "gate": {}, "task": {}, "tokens_per_second": {}, "bytes": {},
         "hf_outputs": hf_text, "gguf_outputs": {}, "type_mix": {},
@@ -235,14 +237,14 @@ def check_all_files(run: Run, report: dict[str, Any], check: gp.FileCheck) -> tu
 def make_quant(run: Run, quant: str) -> str:
     """model-<quant>.gguf from the base file: llama-quantize with the imatrix, else libllama's own quantize."""
     filename = f"model-{quant}.gguf"
-    export = run.cfg.export
+    cfg = run.cfg
+    emb = cfg.export.token_embedding_type
     with timed(run.timing, f"quantize_{quant}_seconds"):
-        if export.imatrix.enabled:
+        if cfg.export.imatrix.enabled:
             gq.quantize_with_tool(run.src, run.tmp, run.base_name, filename, quant, run.n_threads, gq.IMATRIX_FILE,
-                                  export.token_embedding_type, run.tensor_types)
+                                  emb, run.tensor_types)
         else:
-            gb.quantize(run.tmp / run.base_name, run.tmp / filename, quant, run.n_threads,
-                        export.token_embedding_type, run.tensor_types)
+            gb.quantize(run.tmp / run.base_name, run.tmp / filename, quant, run.n_threads, emb, run.tensor_types)
     gb.check_loads_cleanly(run.tmp / filename, run.accepted)
     return filename
 
@@ -259,7 +261,8 @@ def pick_served(run: Run, report: dict[str, Any], files: dict[str, str], tried: 
                 (run.tmp / files.pop(q)).unlink()
     primary = report["task"].get("metric")
     report["ladder"] = gp.ladder_rows(report, tried + ([run.base] if chosen == run.base else []), primary)
-    serve_quant = serve_choice(run.cfg, run.auto, chosen, tried, files)
+    cfg = run.cfg
+    serve_quant = serve_choice(cfg, run.auto, chosen, tried, files)
     report["serve_quant"] = serve_quant
     report["chosen_quant"] = chosen
     return serve_quant
@@ -282,6 +285,7 @@ def serve_choice(cfg: DictConfig, auto: bool, chosen: str | None, tried: list[st
 # ------------------------------------------------------------------------------------------------ outputs
 def write_modelfile(run: Run, report: dict[str, Any], serve_name: str) -> None:
     """Ollama's Modelfile for the served file (the one 'make serve' serves too)."""
+    cfg = run.cfg
     gen_eos_ids = [e for e in run.eog if e in run.gen_eos]
     if run.text_prompts:  # trained on raw text: the prompt as it is, no chat turns, no system prompt
         template, system = mfile.RAW_TEMPLATE, None
@@ -289,8 +293,8 @@ def write_modelfile(run: Run, report: dict[str, Any], serve_name: str) -> None:
     else:
         pieces = mfile.probe(run.tokenizer)
         template = mfile.go_template(pieces)
-        system = (mfile.training_system_prompt(Path(run.cfg.paths.prepared) / "train.jsonl")
-                  if run.cfg.export.ollama.system_from_data else None)
+        system = (mfile.training_system_prompt(Path(cfg.paths.prepared) / "train.jsonl")
+                  if cfg.export.ollama.system_from_data else None)
         stops = mfile.stop_tokens(run.tokenizer, pieces, gen_eos_ids)
     (run.tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, template, stops, system))
     report["modelfile"] = {"from": serve_name, "stop": stops, "system": system}
@@ -323,7 +327,8 @@ def write_manifest(run: Run, report: dict[str, Any], files: dict[str, str], imat
     """outputs/export/gguf_manifest.json: the build, what was read and written (sha256), the choice, the timings."""
     from reprotune import manifest as mf
 
-    cfg, root, final = run.cfg, Path(run.cfg.paths.root), run.final
+    cfg = run.cfg
+    root, final = Path(cfg.paths.root), run.final
     prepared = Path(cfg.paths.prepared)
     manifest_path = Path(cfg.paths.export_dir) / "gguf_manifest.json"
     record = mf.stage_record("gguf", cfg, manifest_path, **{
