@@ -138,7 +138,7 @@ def test_gguf_without_pre_tokenizer_is_refused(exported: tuple[Path, list[str]],
     """A GGUF from which tokenizer.ggml.pre was removed (llama.cpp's own metadata tool): llama.cpp warns
     that generation quality will be degraded, and the check refuses it."""
     from reprotune import llamacpp
-    from reprotune.gguf import check_loads_cleanly
+    from reprotune.gguf_build import check_loads_cleanly
 
     root, _ = exported
     src = llamacpp.source_dir()
@@ -155,7 +155,8 @@ def test_gguf_without_pre_tokenizer_is_refused(exported: tuple[Path, list[str]],
 def test_chat_template_drift_is_a_hard_failure(exported: tuple[Path, list[str]]) -> None:
     from transformers import AutoTokenizer
 
-    from reprotune.gguf import check_template_and_tokens, load_vocab, prompts_of
+    from reprotune.gguf_build import load_vocab
+    from reprotune.gguf_parity import check_template_and_tokens, prompts_of
     from reprotune.merge import read_holdout
 
     root, overrides = exported

@@ -64,7 +64,7 @@ def server(exported: tuple[Path, list[str]]):
 def test_chat_completion_equals_parity_greedy_output(server) -> None:
     from openai import OpenAI
 
-    from reprotune.gguf import prompts_of
+    from reprotune.gguf_parity import prompts_of
     from reprotune.merge import read_holdout
 
     root, overrides, port, _ = server

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from reprotune import llamacpp
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
-from reprotune.gguf import accepted_control_tokens
+from reprotune.gguf_build import accepted_control_tokens
 from reprotune.models import load_tokenizer, resolve_model_dir
 
 

@@ -88,6 +88,16 @@ def first_runs(clone: tuple[Path, dict]) -> dict[str, list[str]]:
     return {target: make(root, target, env) for target in ("train", "eval", "gguf")}
 
 
+def assert_serves_its_choice(gguf_dir: Path) -> None:
+    """The default export (export.quant, whatever it names) ships the file parity.json says it serves, and the
+    Modelfile points at it."""
+    parity = json.loads((gguf_dir / "parity.json").read_text())
+    served = parity["serve_quant"]
+    assert served in parity["gate"] and parity["modelfile"]["from"] == f"model-{served}.gguf"
+    assert (gguf_dir / f"model-{served}.gguf").read_bytes()[:4] == b"GGUF"
+    assert f"FROM ./model-{served}.gguf" in (gguf_dir / "Modelfile").read_text()
+
+
 def test_train_eval_gguf_from_a_fresh_clone(clone: tuple[Path, dict], first_runs: dict[str, list[str]]) -> None:
     root, env = clone
     assert first_runs == {"train": ["prepare", "train"], "eval": ["eval"], "gguf": ["merge", "gguf"]}
@@ -95,9 +105,9 @@ def test_train_eval_gguf_from_a_fresh_clone(clone: tuple[Path, dict], first_runs
     assert "Data and pipelines are up to date." in run([str(VENV / "bin/dvc"), "status", "prepare", "train", "eval",
                                                         "merge", "gguf"], root, env)
     for path in ("outputs/adapter/adapter_model.safetensors", "outputs/eval/metrics.json",
-                 "outputs/merged/model.safetensors", "outputs/gguf/model-Q4_K_M.gguf",
-                 "outputs/export/gguf_manifest.json"):
+                 "outputs/merged/model.safetensors", "outputs/export/gguf_manifest.json"):
         assert (root / path).is_file(), path
+    assert_serves_its_choice(root / "outputs/gguf")
     lock = (root / "dvc.lock").read_text()
     assert all(f"  {stage}:" in lock for stage in ALL)
     print(f"\nfresh clone, tiny model: make train {TIMES['train']:.0f}s, make eval {TIMES['eval']:.0f}s, "
@@ -164,7 +174,7 @@ def test_make_merge_and_gguf_with_dpo_export_the_preference_adapter(clone: tuple
     gguf = json.loads((root / "outputs/pref/gguf/parity.json").read_text())
     assert gguf["holdout_prompts"] == len((root / "data/pairs/holdout.jsonl").read_text().splitlines())
     assert all(t["identical"] for t in gguf["tokenization"].values())
-    assert (root / "outputs/pref/gguf/model-Q4_K_M.gguf").read_bytes()[:4] == b"GGUF"
+    assert_serves_its_choice(root / "outputs/pref/gguf")
     lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
     assert lock["merge_pref"]["params"]["params_pref.yaml"]["objective"]["name"] == "dpo"
     assert {d["path"] for d in lock["merge_pref"]["deps"]} >= {"outputs/pref/adapter", "data/pairs/holdout.jsonl"}

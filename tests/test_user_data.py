@@ -133,6 +133,7 @@ def test_a_users_data_from_file_to_served_answer(clone: tuple[Path, dict]) -> No
         server.wait(timeout=60)
     assert reply.model == "reprotune-dates-2025"
     # the exported model's greedy answer to the holdout conversation with its system prompt: the server added it
-    assert reply.choices[0].message.content == parity["gguf_outputs"]["Q4_K_M"][0]
+    # make serve served the quant make gguf chose (parity.json serve_quant), and answered as its parity run did
+    assert reply.choices[0].message.content == parity["gguf_outputs"][parity["serve_quant"]][0]
     assert outputs(root) == built
     print(f"\nuser data, tiny model: make init + train + eval + (refused eval) + gguf + serve-info {took:.0f}s")
