@@ -163,7 +163,7 @@ def trl_recipe(model_dir: str, data: Path, method: str, steps: int, result: Path
 def ours(model: str, method: str, root: Path, steps: int, overrides: list[str], objective: str = "dpo",
          probe: str = "") -> dict:
     # a fresh adapter, reference = the base with it disabled (as the TRL recipe); a preference run reads its pairs
-    # from paths.pairs and writes under paths.pref (reprotune.preference.route_paths)
+    # from paths.pairs and writes under paths.pref (conf/objective/paths/preference.yaml)
     launcher = ([sys.executable, str(REPO / "bench/train_probe.py"), f"--{probe}", "--"] if probe
                 else [sys.executable, "-m", "reprotune.train"])
     cmd = [*launcher, f"objective={objective}", "objective.init_adapter=null",

@@ -7,7 +7,7 @@ the Hugging Face model.
 Reads  outputs/merged/ (make merge), data/prepared/holdout.jsonl and train.jsonl (its system prompt).
 Writes outputs/gguf/model-F16.gguf (convert_hf_to_gguf.py, export.outtype), model-<QUANT>.gguf for every
        export.quant, Modelfile (Ollama), parity.json; outputs/export/gguf_manifest.json (timings).
-With a preference objective (reprotune.preference.route_paths): outputs/pref/merged and data/pairs/{holdout,train}
+With a preference objective (its paths from conf/objective/paths/preference.yaml): outputs/pref/merged and data/pairs/{holdout,train}
 .jsonl (the holdout rows' prompts; the train pairs' shared system prompt) in, outputs/pref/gguf and
 outputs/pref/export/gguf_manifest.json out. Text (standard) pairs train on raw text: their prompts are checked and
 answered as text (llama.cpp's completion tokenization; the Modelfile passes the prompt as it is).
@@ -48,7 +48,7 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import fresh_dir, read_conversations, swap_dir
 from reprotune.models import load_tokenizer
-from reprotune.preference import is_preference, route_paths
+from reprotune.objectives import objective
 from reprotune.preference.pair_eval import export_conversations
 
 log = logging.getLogger("reprotune.gguf")
@@ -134,10 +134,9 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
 
 def start(cfg: DictConfig) -> Run:
     """The settings, checked (each bad one is one line), the tokenizer and prompts, a fresh scratch folder."""
-    route_paths(cfg)  # a preference run: outputs/pref/merged and data/pairs in, outputs/pref/{gguf,export} out
-    merged = Path(cfg.paths.merged)
+    merged = Path(cfg.paths.merged)  # a preference run's: outputs/pref/merged (conf/objective/paths/preference.yaml)
     if not (merged / "config.json").is_file():
-        how = f"make merge ARGS=\"objective={cfg.objective.name}\"" if is_preference(cfg) else "make merge"
+        how = f"make merge{objective(cfg).make_args()}"
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
@@ -371,7 +370,7 @@ def make_imatrix(cfg: DictConfig, src: Path, tokenizer: Any, f16: Path, out_dir:
 
     max_tokens, chunk = gq.imatrix_settings(cfg.export.imatrix)
     train_path = Path(cfg.paths.prepared) / "train.jsonl"
-    conversations = (export_conversations(train_path) if is_preference(cfg)
+    conversations = (export_conversations(train_path) if objective(cfg).preference
                      else read_conversations(train_path, "run 'make prepare' first"))
     text, tokens, used = gq.calibration_text(conversations, tokenizer, max_tokens)
     if tokens < 2 * chunk:  # llama-imatrix needs two chunks: a small train split gets smaller chunks

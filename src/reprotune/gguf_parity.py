@@ -21,7 +21,7 @@ from reprotune.errors import ReprotuneError
 from reprotune.gguf_build import load_vocab
 from reprotune.io import read_conversations
 from reprotune.models import load_float32
-from reprotune.preference import is_preference
+from reprotune.objectives import objective
 from reprotune.preference.pair_eval import export_conversations, read_pairs
 
 Prompt = list[dict] | str  # a chat prompt (messages) or, from text (standard) preference pairs, a text prompt
@@ -34,7 +34,7 @@ def holdout_prompts(cfg: DictConfig) -> list[Prompt]:
     pairs give their text prompts: that model was trained on raw text, with no chat template, and is asked the
     same way (llama.cpp's completion, Ollama's raw prompt)."""
     path = Path(cfg.paths.prepared) / "holdout.jsonl"
-    if not is_preference(cfg):
+    if not objective(cfg).preference:
         return prompts_of(read_conversations(path, "run 'make prepare' first"))
     conversations = export_conversations(path)
     if isinstance(conversations[0], str):
@@ -187,7 +187,7 @@ def task_references(cfg: DictConfig, n: int) -> tuple[dict | None, list[str]]:
     for the task metric of the gate; a preference holdout has none here (the gate is then parity alone)."""
     from omegaconf import OmegaConf
 
-    if is_preference(cfg) or not cfg.data.get("task"):
+    if objective(cfg).preference or not cfg.data.get("task"):
         return None, []
     from reprotune import metrics as mx
 

@@ -9,9 +9,7 @@ eval, checkpoint and export folders (merged, gguf, export) are under paths.pref 
 
 from __future__ import annotations
 
-from typing import Any
-
-from reprotune.objectives import OBJECTIVES, objective
+from reprotune.objectives import OBJECTIVES
 
 # the registry's sets, by name (reprotune.objectives says what each property means)
 WITH_REFERENCE = tuple(n for n, o in OBJECTIVES.items() if o.reference)
@@ -20,16 +18,3 @@ PAIRED_OBJECTIVES = tuple(n for n, o in OBJECTIVES.items() if o.paired)
 # next to the prepared pairs' train.jsonl: each training pair's packed tokens in its order (make prepare writes it,
 # the plan reads it: reprotune.sizing.draws)
 PAIR_LENGTHS_FILE = "train_lengths.json"
-
-
-def is_preference(cfg: Any) -> bool:
-    """Kept only for reprotune.gguf (another branch owns it): the other stages ask reprotune.objectives.objective(cfg),
-    once, and hand the Objective on."""
-    return objective(cfg).preference
-
-
-def route_paths(cfg: Any) -> Any:
-    """cfg unchanged. Kept only for reprotune.gguf (another branch owns it) until it drops its call: a preference
-    run's paths are composed in from conf/objective/paths/preference.yaml, and the params file's chain is checked
-    by reprotune.config.CheckSettings before any stage runs."""
-    return cfg
