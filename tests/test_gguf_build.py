@@ -27,6 +27,7 @@ def test_an_eos_llama_cpp_does_not_stop_on_is_refused_in_one_line(tmp_path: Path
                               f"{tmp_path}/generation_config.json; answers would never end")
 
 
+@pytest.mark.slow  # full lane: convert_error names the installed llama-cpp-python's version (make llama-cpp)
 def test_converter_failures_are_one_line(tmp_path: Path) -> None:
     chk = "0123abcd" * 8
     text = (f"INFO:hf-to-gguf:Loading model\nWARNING:hf-to-gguf:** chkhsh:  {chk}\n"

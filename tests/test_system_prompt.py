@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from reprotune.modelfile import render_modelfile
 from reprotune.system_prompt import DefaultSystem, exported_system, with_system
 
@@ -26,6 +28,7 @@ def echo_app():
                              Route("/v1/completions", echo, methods=["POST"])])
 
 
+@pytest.mark.slow  # full lane: needs llama-cpp-python's server extras (FastAPI, Starlette), which make llama-cpp installs
 def test_a_request_without_a_system_message_gets_the_training_one() -> None:
     from fastapi.testclient import TestClient
 
