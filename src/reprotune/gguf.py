@@ -136,7 +136,7 @@ def start(cfg: DictConfig) -> Run:
     """The settings, checked (each bad one is one line), the tokenizer and prompts, a fresh scratch folder."""
     merged = Path(cfg.paths.merged)  # a preference run's: outputs/pref/merged (conf/objective/paths/preference.yaml)
     if not (merged / "config.json").is_file():
-        how = f"make merge{objective(cfg).make_args()}"
+        how = f"make merge{objective(cfg).make_args}"
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
