@@ -3,6 +3,8 @@ counts, and the prepared data's token lengths. No torch."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,15 @@ class PlanError(ValueError):
 
 
 def load_table(name: str) -> dict[str, Any]:
-    return yaml.safe_load((PLAN_DIR / name).read_text())
+    """A conf/plan table, parsed; a fresh copy each call (callers may adjust theirs)."""
+    return copy.deepcopy(_parsed((PLAN_DIR / name).read_text()))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(text: str) -> Any:
+    # keyed by the file's text, so an edited table is parsed again: one `make plan` reads the tables ~70 times
+    # (every card's fit, every candidate), and parsing was 90% of its time
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def load_tables() -> dict[str, Any]:
