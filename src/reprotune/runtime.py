@@ -1,6 +1,7 @@
-"""Where and how the math runs: device, dtype, gradient checkpointing, seeds and determinism.
+"""How the math runs on the device the stage resolved (reprotune.run): seeds, determinism, threads, attention.
 
-Every stage that runs a model asks here, so `hardware=` and `repro=` mean the same thing in train and eval.
+Every stage that runs a model applies its settings here, so `hardware=` and `repro=` mean the same thing in train
+and eval.
 """
 
 from __future__ import annotations
@@ -12,23 +13,6 @@ from omegaconf import DictConfig
 
 from reprotune.errors import ReprotuneError
 from reprotune.schema import REPRO_MODES
-
-
-def resolve_device(cfg: DictConfig) -> str:
-    import torch
-
-    wanted = cfg.hardware.device
-    if wanted == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ReprotuneError("hardware.device: hardware=gpu asked for CUDA, but torch sees no GPU (try hardware=cpu)")
-    return wanted
-
-
-def resolve_dtype(cfg: DictConfig, device: str) -> str:
-    if cfg.hardware.dtype != "auto":
-        return cfg.hardware.dtype
-    return "bfloat16" if device == "cuda" else "float32"
 
 
 def deterministic_kernels(repro: str, device: str) -> bool:
