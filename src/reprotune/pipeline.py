@@ -10,7 +10,8 @@ make alone (plan, serve, publish, verify) are in it too, marked dvc=False.
 Derived: everything else. Params follow the calls from the stage's main() through the project's functions
 (a module imported for one helper does not add the params of the rest of it). A config read is an attribute chain on a variable named `cfg` (`cfg.train.max_steps`,
 `cfg.export.get("threads")`); a chain that stops early (`t = cfg.train`, `f(cfg.model)`) counts as reading that
-whole subtree. `paths.*` is never a param: it says where files are, and dvc.yaml's deps and outs name them.
+whole subtree; `resolve(cfg, "<stage>")` (reprotune.run) reads what that stage's resolver reads. `paths.*` is
+never a param: it says where files are, and dvc.yaml's deps and outs name them.
 Two reads are deliberately not params: the whole config copied into a stage's manifest (a record of the run,
 not an input of its outputs), and train's resume fingerprint (it only decides whether a checkpoint is reused,
 and a resumed run gives the same bytes as an uninterrupted one).

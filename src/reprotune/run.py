@@ -4,8 +4,8 @@ holds what the stage would otherwise re-derive from the config in several places
 of reprotune.objectives), the stage's paths (conf/paths and the objective's conf/objective/paths, resolved), and
 for the stages whose math runs in torch on the configured hardware (train, eval) the device, the dtype, the
 `repro` mode and `hardware.cpu_kernels`; eval's also its generation batch size. The code below the main takes
-these from the Run; `objective(cfg)`, the device and the dtype are decided here only (tests/test_run_resolve.py
-checks it from the source).
+these from the Run; the objective (objective_of), the device and the dtype are decided here only
+(tests/test_run_resolve.py checks it from the source).
 
 DVC params follow what each stage's resolution reads (reprotune.pipeline follows `resolve(cfg, "<stage>")` into
 the resolver of that stage, `resolver_of`), so prepare, merge and gguf gain no hardware keys from it.
