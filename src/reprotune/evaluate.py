@@ -122,7 +122,7 @@ def evaluate(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     started = time.time()
     resolved = resolved if resolved is not None else resolve(cfg, "eval")
     device, dtype, batch_size = str(resolved.device), str(resolved.dtype), int(resolved.eval_batch_size or 1)
-    set_reproducibility(cfg, device)
+    set_reproducibility(cfg, resolved)
 
     holdout = Path(cfg.paths.prepared) / "holdout.jsonl"
     rows, examples = read_inputs(cfg, resolved.objective, holdout)

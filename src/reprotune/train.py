@@ -400,7 +400,7 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     # setup: where the math runs, the data, the tokenizer, the one decision of the run's settings, the model
-    set_reproducibility(cfg, device)
+    set_reproducibility(cfg, resolved)
     world = distributed.world()
     distributed.init_process_group(device)
     log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
