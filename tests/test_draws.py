@@ -44,6 +44,7 @@ def test_the_drawn_micro_batches_are_the_ones_training_takes(tmp_path: Path) -> 
     from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
     from reprotune.preference import packed
     from reprotune.preference.trainers import preference_config, trl_classes
+    from reprotune.run import resolve
     from reprotune.train import lora_config
 
     steps = 7  # 6 micro-batches an epoch, 3 steps: epochs 0, 1 and the first step of 2
@@ -57,7 +58,7 @@ def test_the_drawn_micro_batches_are_the_ones_training_takes(tmp_path: Path) -> 
     model = load_base_model(model_dir, cfg, "cpu", "float32", run.attn_implementation)
     trainer_class = packed.packed_class(trl_classes("dpo")[0], "dpo")
     rows = unique_pairs(N_PAIRS)
-    trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
+    trainer = trainer_class(model=model, args=preference_config(cfg, run, False, resolve(cfg, "params").objective), processing_class=tokenizer,
                             train_dataset=Dataset.from_list(rows), peft_config=lora_config(cfg, tokenizer))
     marks = [tokenizer(f"[row {i}]", add_special_tokens=False)["input_ids"] for i in range(N_PAIRS)]
 
@@ -202,9 +203,11 @@ def test_eager_scores_of_drawn_pairs_stay_bounded_by_the_longest_pair(tmp_path: 
 
 
 def sz_shape_of(root: Path, cfg) -> object:
+    from reprotune.sizing.decide import configured_batch
     from reprotune.sizing.shape import load_data_shape
 
-    return load_data_shape(cfg)
+    rows, accum = configured_batch(cfg)
+    return load_data_shape(cfg, global_batch=rows * accum)
 
 
 def test_the_plan_counts_a_preference_runs_own_steps_and_pairs(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from reprotune.invoices import generate, wrong_extraction
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
 from reprotune.preference import packed
 from reprotune.preference.trainers import preference_config, trl_classes
+from reprotune.run import resolve
 from reprotune.sizing.decide import Hardware, card, decide
 from reprotune.train import lora_config
 
@@ -71,7 +72,7 @@ def _trainer(tmp: Path, preset: str, pack: bool, objective: str = "dpo", device:
     if pack:
         trainer_class = packed.packed_class(trainer_class, objective)
     data = kto_rows() if objective == "kto" else pairs()
-    trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
+    trainer = trainer_class(model=model, args=preference_config(cfg, run, False, resolve(cfg, "params").objective), processing_class=tokenizer,
                             train_dataset=Dataset.from_list(data), peft_config=lora_config(cfg, tokenizer))
     torch.manual_seed(0)  # LoRA B starts at zero: the policy would equal the reference; perturb it
     for name, param in trainer.model.named_parameters():
@@ -343,7 +344,7 @@ def test_packed_batches_are_copied_to_the_gpu_without_waiting_for_it(tmp_path: P
         cfg = compose(["model=tiny_random_qwen3", "objective=dpo", f"paths.root={tmp_path}", *over])
         hw = card("H200") if "hardware=gpu" in over else Hardware("cpu")
         # float32: TrainingArguments refuses bf16 on this CPU-only machine; the copies do not depend on it
-        return preference_config(cfg, decide(cfg, hw, None, None), False)
+        return preference_config(cfg, decide(cfg, hw, None, None), False, resolve(cfg, "params").objective)
 
     gpu = args("hardware=gpu", "hardware.dtype=float32")
     assert gpu.accelerator_config.non_blocking and gpu.dataloader_pin_memory

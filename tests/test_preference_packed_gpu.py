@@ -70,6 +70,7 @@ def test_a_dpo_step_on_packed_pairs_matches_the_padded_batch_in_bf16(tmp_path) -
     from reprotune.config import compose
     from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
     from reprotune.preference.trainers import preference_config, trl_classes
+    from reprotune.run import resolve
     from reprotune.sizing.decide import Hardware, decide
     from reprotune.train import lora_config
 
@@ -91,7 +92,7 @@ def test_a_dpo_step_on_packed_pairs_matches_the_padded_batch_in_bf16(tmp_path) -
         trainer_class, _ = trl_classes("dpo")
         if pack:
             trainer_class = packed.packed_trainer_class(trainer_class)
-        trainer = trainer_class(model=model, args=preference_config(cfg, run, False), processing_class=tokenizer,
+        trainer = trainer_class(model=model, args=preference_config(cfg, run, False, resolve(cfg, "params").objective), processing_class=tokenizer,
                                 train_dataset=Dataset.from_list(pairs()), peft_config=lora_config(cfg, tokenizer))
         torch.manual_seed(0)
         for name, param in trainer.model.named_parameters():

@@ -12,14 +12,21 @@ themselves are checked twice over on a GPU by tests/test_repro_gpu.py.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
+from reprotune.run import Run, resolve
 from reprotune.runtime import REPRO_MODES, deterministic_kernels, set_reproducibility
 from reprotune.sizing.decide import card, decide
+
+
+def placed(cfg, device: str) -> Run:
+    """cfg's Run as train would resolve it on `device` (a described one: this test machine may have no GPU)."""
+    return replace(resolve(cfg, "params"), device=device, repro=str(cfg.repro), cpu_kernels=str(cfg.hardware.cpu_kernels))
 
 # Attention kernels whose CUDA backward is deterministic with torch.use_deterministic_algorithms(True): the
 # FlashAttention varlen/SDPA backward takes its deterministic form (dQ summed per split in a fixed order), flex
@@ -82,7 +89,7 @@ def test_set_reproducibility_applies_the_mode(mode: str, device: str, flag: bool
                                               restore_torch_flags) -> None:
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     cfg = compose(["model=tiny_random", f"repro={mode}"])
-    set_reproducibility(cfg, device)
+    set_reproducibility(cfg, placed(cfg, device))
     assert torch.are_deterministic_algorithms_enabled() is flag
     assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises, never warns
     assert torch.utils.deterministic.fill_uninitialized_memory is fill
@@ -96,5 +103,5 @@ def test_an_unknown_mode_is_one_line_naming_the_allowed_values(where: str) -> No
         if where == "decide":  # what make plan calls first
             decide(cfg, card("H100"), None, None)
         else:
-            set_reproducibility(cfg, "cpu")
+            set_reproducibility(cfg, placed(cfg, "cpu"))
     assert str(err.value) == f"repro: must be one of {', '.join(REPRO_MODES)}, not 'strcit'"

@@ -57,9 +57,11 @@ def test_default_gpu_dpo_on_packed_pairs_is_byte_identical(tmp_path: Path) -> No
 
     def adapter_bytes(run: int) -> bytes:
         from reprotune.config import compose
+        from reprotune.run import resolve
         from reprotune.runtime import set_reproducibility
 
-        set_reproducibility(compose(["model=tiny_random_qwen3", "hardware=gpu"]), "cuda")
+        cfg = compose(["model=tiny_random_qwen3", "hardware=gpu"])
+        set_reproducibility(cfg, resolve(cfg, "train"))
         trainer = _trainer(tmp_path / str(run), "tiny_random_qwen3", True, device="cuda", steps=3,
                            overrides=TOKENIZER_OVERRIDE)
         trainer.train()

@@ -219,3 +219,43 @@ def test_preference_pairs_on_a_gpu_take_the_varlen_kernel_in_every_mode() -> Non
     cpu = d.decide(compose(["model=tiny_random", "hardware=cpu", "objective=orpo"]), d.Hardware("cpu"), None, None)
     assert not cpu.packing and cpu.attn_implementation is None
     assert run("train.packing=false").attn_implementation is None
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_the_trainer_takes_the_fitted_micro_batch_not_the_configured_one(objective: str) -> None:
+    """The micro-batch's path (docs/configuration.md): train.per_device_train_batch_size=16 x 1 is re-batched by
+    the fit on a 24 GB card (the same 16 rows a step, 1 x 16 in float32), and the trainer's config holds the fitted
+    pair: the train group's own value is never copied into it (trainer_args.FITTED_KEYS)."""
+    from reprotune.preference.trainers import preference_config
+    from reprotune.run import resolve
+    from reprotune.train import sft_config
+    from reprotune.trainer_args import FITTED_KEYS, passthrough_keys
+
+    # float32: TrainingArguments refuses bf16 without a GPU; the fit re-batches either way
+    cfg = compose(["model=qwen3_8b_random", f"objective={objective}", "hardware=gpu", "hardware.dtype=float32",
+                   "train.per_device_train_batch_size=16", "train.gradient_accumulation_steps=1"])
+    run = d.decide(cfg, d.card("RTX 4090"), None, None)
+    fitted = (run.per_device_train_batch_size, run.gradient_accumulation_steps)
+    assert fitted != (16, 1) and fitted[0] * fitted[1] == 16
+    args = (sft_config(cfg, run, False) if objective == "sft"
+            else preference_config(cfg, run, False, resolve(cfg, "params").objective))
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == fitted
+    assert args.per_device_eval_batch_size == fitted[0]
+    assert not set(FITTED_KEYS) & set(passthrough_keys(cfg, "train"))
+
+
+def test_the_configured_micro_batch_is_read_in_one_place() -> None:
+    """train.per_device_train_batch_size and train.gradient_accumulation_steps are read from the config by
+    reprotune.sizing.decide.configured_batch alone (ast): no second read before or after the fit."""
+    import ast
+
+    reads = []
+    for path in sorted((REPO / "src/reprotune").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            for node in ast.walk(func):
+                if (isinstance(node, ast.Attribute) and node.attr in ("per_device_train_batch_size",
+                                                                      "gradient_accumulation_steps")
+                        and ast.unparse(node.value).split(".")[-1] == "train"):
+                    reads.append(f"{path.relative_to(REPO / 'src/reprotune')}:{func.name}")
+    assert sorted(set(reads)) == ["sizing/decide.py:configured_batch"]

@@ -117,8 +117,9 @@ def test_a_stage_run_with_the_other_chains_file_stops_at_the_door(stage: str, tm
 def test_the_objective_registry_is_the_one_list() -> None:
     """reprotune.objectives: one entry per conf/objective/*.yaml and per schema name; the sets the code used to
     spell out by name (reference, packed, paired) are the registry's properties."""
-    from reprotune.objectives import OBJECTIVES, objective
+    from reprotune.objectives import OBJECTIVES
     from reprotune.preference import PACKED_OBJECTIVES, PAIRED_OBJECTIVES, WITH_REFERENCE
+    from reprotune.run import objective_of as objective
 
     assert tuple(OBJECTIVES) == schema.OBJECTIVES and set(OBJECTIVES) == set(OBJECTIVES_IN_CONF)
     assert (set(WITH_REFERENCE), set(PACKED_OBJECTIVES), set(PAIRED_OBJECTIVES)) == (

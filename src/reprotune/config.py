@@ -180,12 +180,12 @@ def check_chain(cfg: Any, config_name: str | None) -> None:
     params.yaml) with objective=sft, the preference stages (prepare_pairs, train_pref, eval_pref, merge_pref,
     gguf_pref: params_pref.yaml) with dpo, orpo or kto; the other way round they would write the other chain's
     outputs. One line, exit 2."""
-    from reprotune.objectives import objective
+    from reprotune.run import resolve
 
     sft_params, pref_params = PARAMS_FILE.removesuffix(".yaml"), PREF_PARAMS_FILE.removesuffix(".yaml")
     if config_name not in (sft_params, pref_params):
         return  # a direct run (python -m reprotune.train ...) or make verify's re-run: no chain to check
-    obj = objective(cfg)
+    obj = resolve(cfg, "params").objective
     where = f"{config_name}.yaml:{_line_of(Path(f'{config_name}.yaml'), 'objective')}: objective.name"
     if config_name == pref_params and not obj.preference:
         raise ReprotuneError(f"{where}: {obj.name!r}, but the preference stages (prepare_pairs, train_pref, "

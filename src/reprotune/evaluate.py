@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from reprotune import metrics as mx
 from reprotune.config import CONF_DIR
-from reprotune.errors import ReprotuneError, user_errors
+from reprotune.errors import user_errors
 from reprotune.evaluation.baseline import run_baseline
 from reprotune.evaluation.generation import SystemRun, load_model_and_tokenizer, run_local
 from reprotune.evaluation.holdout import Example, read_holdout
@@ -44,30 +44,16 @@ from reprotune.evaluation.preference_pass import (
 )
 from reprotune.evaluation.report import SYSTEMS, write_outputs
 from reprotune.evaluation.scoring import score_runs, settle_task
-from reprotune.objectives import objective
-from reprotune.runtime import resolve_device, resolve_dtype, set_reproducibility
+from reprotune.objectives import Objective
+from reprotune.run import Run, resolve
+from reprotune.runtime import set_reproducibility
 
 log = logging.getLogger("reprotune.evaluate")
 
-# Padded generation keeps a (batch x length) KV cache and logits; these are safe starting points for a
-# laptop CPU and for one GPU. Override with eval.batch_size=N.
-AUTO_BATCH_SIZE = {"cpu": 8, "cuda": 32}
-
-
-# ----------------------------------------------------------------------------------------------- settings
-def resolve_batch_size(cfg: DictConfig, device: str) -> int:
-    size = cfg.eval.batch_size
-    if size == "auto":
-        return AUTO_BATCH_SIZE.get(device, 8)
-    if not isinstance(size, int) or size < 1:
-        raise ReprotuneError(f"eval.batch_size: must be a positive integer or 'auto', not {size!r}")
-    return size
-
-
 # ------------------------------------------------------------------------------------------------- data
-def read_inputs(cfg: DictConfig, holdout: Path) -> tuple[list[dict], list[Example]]:
+def read_inputs(cfg: DictConfig, obj: Objective, holdout: Path) -> tuple[list[dict], list[Example]]:
     """(a preference holdout's rows, the examples of the task pass): an SFT holdout has no rows."""
-    if objective(cfg).preference:
+    if obj.preference:
         return preference_holdout(cfg, holdout)
     return [], read_holdout(holdout, cfg.eval.max_examples)
 
@@ -130,15 +116,16 @@ def eval_record(cfg: DictConfig, holdout: Path, n_examples: int, model_dir: str,
 
 
 # --------------------------------------------------------------------------------------------------- main
-def evaluate(cfg: DictConfig) -> dict[str, Any]:
+def evaluate(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
+    """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "eval")): the
+    objective, device, dtype and generation batch size."""
     started = time.time()
-    device = resolve_device(cfg)
-    dtype = resolve_dtype(cfg, device)
-    set_reproducibility(cfg, device)
-    batch_size = resolve_batch_size(cfg, device)
+    resolved = resolved if resolved is not None else resolve(cfg, "eval")
+    device, dtype, batch_size = str(resolved.device), str(resolved.dtype), int(resolved.eval_batch_size or 1)
+    set_reproducibility(cfg, resolved)
 
     holdout = Path(cfg.paths.prepared) / "holdout.jsonl"
-    rows, examples = read_inputs(cfg, holdout)
+    rows, examples = read_inputs(cfg, resolved.objective, holdout)
     task = settle_task(cfg, examples)  # data.task.type auto, eval.max_new_tokens auto: from the data
     log.info("eval: %d holdout examples, device=%s dtype=%s batch_size=%d", len(examples), device, dtype,
              batch_size)
@@ -165,7 +152,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        evaluate(cfg)
+        run = resolve(cfg, "eval")
+        evaluate(cfg, run)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import fresh_dir, read_conversations, swap_dir
 from reprotune.models import load_tokenizer
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
 from reprotune.preference.pair_eval import export_conversations
+from reprotune.run import Run, resolve
 
 log = logging.getLogger("reprotune.gguf")
 
@@ -81,10 +82,11 @@ def timed(timing: dict[str, float], key: str) -> Iterator[None]:
 
 
 @dataclass
-class Run:
+class Export:
     """What the steps of one make gguf share: the settings read once, the scratch folder, the timings."""
 
     cfg: DictConfig
+    objective: Objective           # the stage's (reprotune.run.Run.objective)
     src: Path
     merged: Path
     quants: list[str]
@@ -112,12 +114,13 @@ class Run:
 
 
 # ------------------------------------------------------------------------------------------------- main
-def gguf(cfg: DictConfig) -> dict[str, Any]:
+def gguf(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
+    """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "gguf"))."""
     from reprotune import kernels
 
     kernels.route_matmul_as_pinned()
     started = time.time()
-    run = start(cfg)
+    run = start(cfg, (resolved if resolved is not None else resolve(cfg, "gguf")).objective)
     make_base_file(run)                                  # 1. convert; llama.cpp loads it cleanly and stops
     imatrix = imatrix_step(run)                          # 2. the importance matrix of the training data
     report, check = reference_answers(run, imatrix)      # 2. the merged HF model's greedy answers
@@ -132,11 +135,11 @@ def gguf(cfg: DictConfig) -> dict[str, Any]:
     return record
 
 
-def start(cfg: DictConfig) -> Run:
+def start(cfg: DictConfig, obj: Objective) -> Export:
     """The settings, checked (each bad one is one line), the tokenizer and prompts, a fresh scratch folder."""
     merged = Path(cfg.paths.merged)  # a preference run's: outputs/pref/merged (conf/objective/paths/preference.yaml)
     if not (merged / "config.json").is_file():
-        how = f"make merge{objective(cfg).make_args}"
+        how = f"make merge{obj.make_args}"
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
     src = llamacpp.source_dir(cfg.export.get("llama_cpp_dir"))
     quants = quant_list(cfg)
@@ -147,14 +150,14 @@ def start(cfg: DictConfig) -> Run:
     if outtype not in OUTTYPE_NAME:
         raise ReprotuneError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
     tokenizer = load_tokenizer(merged)
-    prompts = gp.holdout_prompts(cfg)
+    prompts = gp.holdout_prompts(cfg, obj)
     final = Path(cfg.paths.gguf)
-    return Run(cfg=cfg, src=src, merged=merged, quants=quants, tensor_types=tensor_types, auto=auto,
+    return Export(cfg=cfg, objective=obj, src=src, merged=merged, quants=quants, tensor_types=tensor_types, auto=auto,
                n_threads=n_threads, base=OUTTYPE_NAME[outtype], tokenizer=tokenizer, prompts=prompts,
                final=final, tmp=fresh_dir(final))
 
 
-def make_base_file(run: Run) -> None:
+def make_base_file(run: Export) -> None:
     """convert_hf_to_gguf.py, then let llama.cpp load the file and say whether anything degrades generation."""
     cfg = run.cfg  # read as cfg.<key>: reprotune.pipeline finds the stage's params by that name
     with timed(run.timing, "convert_seconds"):
@@ -166,15 +169,16 @@ def make_base_file(run: Run) -> None:
     gb.check_stops(run.eog, run.gen_eos, run.base_name, run.merged)
 
 
-def imatrix_step(run: Run) -> dict[str, Any] | None:
+def imatrix_step(run: Export) -> dict[str, Any] | None:
     cfg = run.cfg
     if not cfg.export.imatrix.enabled:
         return None
     with timed(run.timing, "imatrix_seconds"):
-        return make_imatrix(cfg, run.src, run.tokenizer, run.tmp / run.base_name, run.tmp, run.n_threads)
+        return make_imatrix(cfg, run.objective, run.src, run.tokenizer, run.tmp / run.base_name, run.tmp,
+                            run.n_threads)
 
 
-def reference_answers(run: Run, imatrix: dict[str, Any] | None) -> tuple[dict[str, Any], gp.FileCheck]:
+def reference_answers(run: Export, imatrix: dict[str, Any] | None) -> tuple[dict[str, Any], gp.FileCheck]:
     """The merged HF model's greedy answers, the report they start, and the check every GGUF then gets."""
     cfg = run.cfg
     greedy_prompts = run.prompts[: gp.greedy_subset(cfg, len(run.prompts))]
@@ -183,7 +187,7 @@ def reference_answers(run: Run, imatrix: dict[str, Any] | None) -> tuple[dict[st
         prompt_ids = [gp.hf_prompt_ids(run.tokenizer, p) for p in greedy_prompts]
         hf_out = gp.greedy_hf(run.merged, prompt_ids, max_new, run.eog)
     hf_text = [run.tokenizer.decode(o) for o in hf_out]
-    task_cfg, references = gp.task_references(cfg, len(greedy_prompts))
+    task_cfg, references = gp.task_references(cfg, run.objective, len(greedy_prompts))
     report = new_report(run, imatrix, len(greedy_prompts), max_new, hf_text)
     primary = None
     if task_cfg is not None:
@@ -196,7 +200,7 @@ def reference_answers(run: Run, imatrix: dict[str, Any] | None) -> tuple[dict[st
     return report, check
 
 
-def new_report(run: Run, imatrix: dict[str, Any] | None, n_greedy: int, max_new: int, hf_text: list[str]
+def new_report(run: Export, imatrix: dict[str, Any] | None, n_greedy: int, max_new: int, hf_text: list[str]
                ) -> dict[str, Any]:
     """parity.json's settings part, and the tables every file check fills (its keys in this order: same bytes)."""
     cfg = run.cfg
@@ -216,7 +220,7 @@ def new_report(run: Run, imatrix: dict[str, Any] | None, n_greedy: int, max_new:
 
 
 # ------------------------------------------------------------------------------------------ quantize + check
-def check_all_files(run: Run, report: dict[str, Any], check: gp.FileCheck) -> tuple[dict[str, str], list[str]]:
+def check_all_files(run: Export, report: dict[str, Any], check: gp.FileCheck) -> tuple[dict[str, str], list[str]]:
     """F16 (reported, gated like the quants), then each quant; export.quant=auto stops at the first that passes.
     Returns {name: file} of what was made and the quants tried, in order."""
     files = {run.base: run.base_name}
@@ -233,7 +237,7 @@ def check_all_files(run: Run, report: dict[str, Any], check: gp.FileCheck) -> tu
     return files, tried
 
 
-def make_quant(run: Run, quant: str) -> str:
+def make_quant(run: Export, quant: str) -> str:
     """model-<quant>.gguf from the base file: llama-quantize with the imatrix, else libllama's own quantize."""
     filename = f"model-{quant}.gguf"
     cfg = run.cfg
@@ -248,7 +252,7 @@ def make_quant(run: Run, quant: str) -> str:
     return filename
 
 
-def pick_served(run: Run, report: dict[str, Any], files: dict[str, str], tried: list[str]) -> str:
+def pick_served(run: Export, report: dict[str, Any], files: dict[str, str], tried: list[str]) -> str:
     """The gate's choice and the served file; with export.quant=auto only the chosen quant ships (the others are in
     the table), and with none passing the F16 file does if it passed. Fills the report's ladder and choice."""
     chosen = gq.choose({q: {"gate": report["gate"][q]} for q in tried}, tried)
@@ -282,7 +286,7 @@ def serve_choice(cfg: DictConfig, auto: bool, chosen: str | None, tried: list[st
 
 
 # ------------------------------------------------------------------------------------------------ outputs
-def write_modelfile(run: Run, report: dict[str, Any], serve_name: str) -> None:
+def write_modelfile(run: Export, report: dict[str, Any], serve_name: str) -> None:
     """Ollama's Modelfile for the served file (the one 'make serve' serves too)."""
     cfg = run.cfg
     gen_eos_ids = [e for e in run.eog if e in run.gen_eos]
@@ -321,7 +325,7 @@ def write_metrics(export_dir: Path, report: dict[str, Any], serve_quant: str) ->
     gq.plot_ladder(report["ladder"], export_dir / "quant_ladder.png", report["task"].get("metric"))
 
 
-def write_manifest(run: Run, report: dict[str, Any], files: dict[str, str], imatrix: dict[str, Any] | None,
+def write_manifest(run: Export, report: dict[str, Any], files: dict[str, str], imatrix: dict[str, Any] | None,
                    started: float) -> dict[str, Any]:
     """outputs/export/gguf_manifest.json: the build, what was read and written (sha256), the choice, the timings."""
     from reprotune import manifest as mf
@@ -361,8 +365,8 @@ def llama_cpp_record(src: Path, with_tools: bool) -> dict[str, Any]:
                if with_tools else {})}
 
 
-def make_imatrix(cfg: DictConfig, src: Path, tokenizer: Any, f16: Path, out_dir: Path, n_threads: int
-                 ) -> dict[str, Any]:
+def make_imatrix(cfg: DictConfig, obj: Objective, src: Path, tokenizer: Any, f16: Path, out_dir: Path,
+                 n_threads: int) -> dict[str, Any]:
     """llama-imatrix on the training split (prompts and answers, export.imatrix.max_tokens of them) into
     out_dir/imatrix.gguf; what it read is hashed (the text itself stays out of the outputs)."""
     import hashlib
@@ -370,7 +374,7 @@ def make_imatrix(cfg: DictConfig, src: Path, tokenizer: Any, f16: Path, out_dir:
 
     max_tokens, chunk = gq.imatrix_settings(cfg.export.imatrix)
     train_path = Path(cfg.paths.prepared) / "train.jsonl"
-    conversations = (export_conversations(train_path) if objective(cfg).preference
+    conversations = (export_conversations(train_path) if obj.preference
                      else read_conversations(train_path, "run 'make prepare' first"))
     text, tokens, used = gq.calibration_text(conversations, tokenizer, max_tokens)
     if tokens < 2 * chunk:  # llama-imatrix needs two chunks: a small train split gets smaller chunks
@@ -411,7 +415,8 @@ def print_summary(report: dict[str, Any], files: dict[str, str], timing: dict[st
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        gguf(cfg)
+        run = resolve(cfg, "gguf")
+        gguf(cfg, run)
 
 
 if __name__ == "__main__":

@@ -38,18 +38,19 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import read_conversations, swap_dir, tmp_path
 from reprotune.models import load_float32, load_tokenizer, resolve_model_dir, save_tokenizer
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
 from reprotune.preference.pair_eval import export_conversations
+from reprotune.run import Run, resolve
 
 log = logging.getLogger("reprotune.merge")
 
 
 # ------------------------------------------------------------------------------------------------ inputs
-def read_holdout(cfg: DictConfig) -> list[list[dict[str, str]]] | list[str]:
+def read_holdout(cfg: DictConfig, obj: Objective) -> list[list[dict[str, str]]] | list[str]:
     """Holdout conversations (lists of messages), in file order; a preference holdout's rows as prompt + chosen
     answer (text rows: their text)."""
     path = Path(cfg.paths.prepared) / "holdout.jsonl"
-    if objective(cfg).preference:
+    if obj.preference:
         return export_conversations(path)
     return read_conversations(path, "run 'make prepare' first")
 
@@ -195,7 +196,8 @@ def merge_record(cfg: DictConfig, adapter_dir: Path, model_dir: str, parity: dic
 
 
 # -------------------------------------------------------------------------------------------------- main
-def merge(cfg: DictConfig) -> dict[str, Any]:
+def merge(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
+    """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "merge"))."""
     import torch
 
     from reprotune import kernels
@@ -203,9 +205,10 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
     kernels.route_matmul_as_pinned()
 
     started = time.time()
+    obj = (resolved if resolved is not None else resolve(cfg, "merge")).objective
     adapter_dir = Path(cfg.paths.adapter)
-    check_adapter(adapter_dir, cfg.model, f"make train{objective(cfg).make_args}")
-    conversations = read_holdout(cfg)[: int(cfg.export.merge.prompts)]
+    check_adapter(adapter_dir, cfg.model, f"make train{obj.make_args}")
+    conversations = read_holdout(cfg, obj)[: int(cfg.export.merge.prompts)]
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     dtype = save_dtype(cfg, model_dir)
     torch.manual_seed(int(cfg.seed))
@@ -238,7 +241,8 @@ def merge(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        merge(cfg)
+        run = resolve(cfg, "merge")
+        merge(cfg, run)
 
 
 if __name__ == "__main__":

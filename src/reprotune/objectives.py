@@ -1,16 +1,15 @@
 """The training objectives as values: what each one is, in one registry, so that code asks the objective
-(`objective(cfg).paired`) instead of branching on its name. Adding an objective is a conf/objective/<name>.yaml, an
-entry here (its properties) and its TRL classes (reprotune.preference.trainers.trl_classes).
+(`run.objective.paired`: the one reprotune.run.resolve picked) instead of branching on its name. Adding an
+objective is a conf/objective/<name>.yaml, an entry here (its properties) and its TRL classes
+(reprotune.preference.trainers.trl_classes).
 
-Pure: imports only reprotune.schema (the names) and reprotune.errors."""
+Pure: imports only reprotune.schema (the names)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from reprotune import schema
-from reprotune.errors import ReprotuneError
 
 
 @dataclass(frozen=True)
@@ -51,12 +50,3 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               packed_reason="kto rows packed: no padding, each row one document (reprotune.preference.packed)"),
 )}
 assert tuple(OBJECTIVES) == schema.OBJECTIVES, "reprotune.schema.OBJECTIVES names these"
-
-
-def objective(cfg: Any) -> Objective:
-    """The configured objective (sft when the config predates the objective group)."""
-    node = cfg.get("objective") if hasattr(cfg, "get") else None
-    name = str(node.name) if node is not None else schema.SFT
-    if name not in OBJECTIVES:
-        raise ReprotuneError(f"objective.name: {name!r} is not one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name]

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from reprotune.config import CONF_DIR
 from reprotune.errors import user_errors
 from reprotune.formats import read_dataset
+from reprotune.run import resolve
 
 
 def one_line(text: str) -> str:
@@ -54,6 +55,7 @@ def review(cfg: DictConfig, out: object = sys.stdout) -> list[dict]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors(summary="pii-review: {count} problem(s)"):
+        resolve(cfg, "pii_review")  # the door: the config makes a run (the review takes nothing else from it yet)
         review(cfg)
 
 

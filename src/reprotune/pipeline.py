@@ -10,7 +10,8 @@ make alone (plan, serve, publish, verify) are in it too, marked dvc=False.
 Derived: everything else. Params follow the calls from the stage's main() through the project's functions
 (a module imported for one helper does not add the params of the rest of it). A config read is an attribute chain on a variable named `cfg` (`cfg.train.max_steps`,
 `cfg.export.get("threads")`); a chain that stops early (`t = cfg.train`, `f(cfg.model)`) counts as reading that
-whole subtree. `paths.*` is never a param: it says where files are, and dvc.yaml's deps and outs name them.
+whole subtree; `resolve(cfg, "<stage>")` (reprotune.run) reads what that stage's resolver reads. `paths.*` is
+never a param: it says where files are, and dvc.yaml's deps and outs name them.
 Two reads are deliberately not params: the whole config copied into a stage's manifest (a record of the run,
 not an input of its outputs), and train's resume fingerprint (it only decides whether a checkpoint is reused,
 and a resumed run gives the same bytes as an uninterrupted one).
@@ -254,6 +255,33 @@ def index_module(module: str) -> ModuleIndex:
     return ModuleIndex(functions, _parents(tree), modules, names)
 
 
+RUN_MODULE = f"{PACKAGE}.run"
+
+
+def stage_resolvers(func: ast.AST, index: ModuleIndex) -> list[str]:
+    """The resolvers a function's `resolve(cfg, "<stage>")` calls run (reprotune.run.resolver_of): a stage's params
+    are what its own resolution reads (train's device and dtype are no params of prepare); a stage that is not a
+    literal: every resolver."""
+    from reprotune import run
+
+    found = []
+    for call in ast.walk(func):
+        if not isinstance(call, ast.Call):
+            continue
+        callee = call.func
+        named = (isinstance(callee, ast.Name) and index.names.get(callee.id) == (RUN_MODULE, "resolve")) or (
+            isinstance(callee, ast.Attribute) and callee.attr == "resolve" and isinstance(callee.value, ast.Name)
+            and index.modules.get(callee.value.id) == RUN_MODULE)
+        if not named:
+            continue
+        stage = call.args[1] if len(call.args) > 1 else None
+        if isinstance(stage, ast.Constant) and isinstance(stage.value, str):
+            found.append(run.resolver_of(stage.value))
+        else:
+            found += sorted({run.resolver_of(s) for s in run.STAGES})
+    return found
+
+
 def reachable_reads(module: str, entry: str = "main") -> set[str]:
     """Config keys read by every project function reachable from module.entry (calls and references)."""
     indexes: dict[str, ModuleIndex] = {}
@@ -271,6 +299,7 @@ def reachable_reads(module: str, entry: str = "main") -> set[str]:
             continue  # a class or constant: no config reads of its own
         reads |= cfg_reads(func, index.parents)
         todo += [(launched_module, "main") for launched_module in launched(func)]
+        todo += [(RUN_MODULE, resolver) for resolver in stage_resolvers(func, index)]
         for sub in ast.walk(func):
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
                 if sub.id in index.functions:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import user_errors
+from reprotune.run import resolve
 from reprotune.sizing.report import format_plan, make_plan, write_plan
 from reprotune.sizing.shape import PlanError
 
@@ -29,8 +30,9 @@ from reprotune.sizing.shape import PlanError
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
+        run = resolve(cfg, "plan")
         try:
-            plan = make_plan(cfg)
+            plan = make_plan(cfg, resolved=run)
         except PlanError as err:
             print(f"plan: {err}", file=sys.stderr)
             sys.exit(2)

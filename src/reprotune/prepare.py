@@ -44,7 +44,6 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.formats import Record, read_dataset
 from reprotune.io import Spool, content_key, fresh_dir, key_fraction, replace_all
-from reprotune.objectives import objective
 from reprotune.preference.pairs import prepare_pairs, source
 from reprotune.prepare_lengths import LENGTH_BATCH, apply_length_policy, load_tokenizer, token_lengths
 from reprotune.prepare_report import (
@@ -57,6 +56,7 @@ from reprotune.prepare_report import (
     rejected_bytes,
     shingles,
 )
+from reprotune.run import Run, resolve
 
 QUOTED = re.compile(r'"[^"]*"')
 # a template renders tools if these names come out of it (a template that ignores tools= drops them silently)
@@ -354,12 +354,14 @@ def measure_and_split(cfg: DictConfig, examples: Spool, intake: Intake, work: Pa
     return split
 
 
-def prepare(cfg: DictConfig) -> dict:
+def prepare(cfg: DictConfig, resolved: Run | None = None) -> dict:
+    """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "prepare"))."""
+    resolved = resolved if resolved is not None else resolve(cfg, "prepare")
     started = time.perf_counter()
     out = Path(cfg.paths.prepared)
     work = fresh_dir(out, ".work")  # the spools and staged outputs; gone when prepare ends, however it ends
     try:
-        if objective(cfg).preference:  # preference pairs (reprotune.preference.pairs)
+        if resolved.objective.preference:  # preference pairs (reprotune.preference.pairs)
             result = prepare_pairs(cfg, work)
             write_manifest(cfg, out, source(cfg))
         else:
@@ -437,7 +439,8 @@ def prepare_in(cfg: DictConfig, work: Path) -> dict:
 def main(cfg: DictConfig) -> None:
     # one line per problem, no traceback: the user fixes the data, not our code
     with user_errors(summary=f"prepare: {{count}} problem(s); nothing written to {cfg.paths.prepared}"):
-        prepare(cfg)
+        run = resolve(cfg, "prepare")
+        prepare(cfg, run)
 
 
 if __name__ == "__main__":

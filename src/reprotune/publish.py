@@ -25,7 +25,8 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
+from reprotune.run import Run, resolve
 
 log = logging.getLogger("reprotune.publish")
 
@@ -74,18 +75,20 @@ def trained_on_private_data(cfg: DictConfig, sft_train_dir: Path | None = None) 
     return _private_record(record, json.loads(record.read_text()), "the adapter it started from")
 
 
-def folder_to_publish(cfg: DictConfig) -> Path:
+def folder_to_publish(cfg: DictConfig, obj: Objective) -> Path:
     what = cfg.export.publish.what
     if what not in ("adapter", "merged"):
         raise ReprotuneError(f"publish: export.publish.what must be 'adapter' or 'merged', not {what!r}")
     folder = Path(cfg.paths.adapter if what == "adapter" else cfg.paths.merged)
     if not folder.is_dir():
         raise ReprotuneError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}"
-                             f"{objective(cfg).make_args}' first")
+                             f"{obj.make_args}' first")
     return folder
 
 
-def publish(cfg: DictConfig) -> dict[str, Any]:
+def publish(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
+    """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "publish"))."""
+    obj = (resolved if resolved is not None else resolve(cfg, "publish")).objective
     # a preference run (its adapter, merged model and training record under outputs/pref) started from the SFT run's
     sft_train_dir = Path(cfg.paths.sft_train_dir) if cfg.paths.get("sft_train_dir") else None
     reason = trained_on_private_data(cfg, sft_train_dir)
@@ -94,7 +97,7 @@ def publish(cfg: DictConfig) -> dict[str, Any]:
     repo_id = cfg.export.publish.repo_id
     if not repo_id:
         raise ReprotuneError("publish: set export.publish.repo_id=<user-or-org>/<name>")
-    folder = folder_to_publish(cfg)
+    folder = folder_to_publish(cfg, obj)
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     plan = {"repo_id": str(repo_id), "folder": folder.as_posix(), "files": files,
             "private_repo": bool(cfg.export.publish.private_repo), "push": bool(cfg.export.publish.push)}
@@ -119,7 +122,8 @@ def publish(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        publish(cfg)
+        run = resolve(cfg, "publish")
+        publish(cfg, run)
 
 
 if __name__ == "__main__":

@@ -269,9 +269,10 @@ def dvc_stage(target: str, preference: bool) -> str:
 def names_preference(overrides: list[str]) -> bool:
     """The overrides pick a preference objective (objective=dpo, ...): composed to know (one line if they are bad)."""
     from reprotune.config import compose_checked, is_objective_override
-    from reprotune.objectives import objective
+    from reprotune.run import resolve
 
-    return any(is_objective_override(o) for o in overrides) and objective(compose_checked(overrides)).preference
+    return (any(is_objective_override(o) for o in overrides)
+            and resolve(compose_checked(overrides), "params").objective.preference)
 
 
 def composed_params(target: str, overrides: list[str], preference: bool) -> dict[str, tuple[list[str], Any]]:

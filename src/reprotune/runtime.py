@@ -1,6 +1,7 @@
-"""Where and how the math runs: device, dtype, gradient checkpointing, seeds and determinism.
+"""How the math runs on the device the stage resolved (reprotune.run): seeds, determinism, threads, attention.
 
-Every stage that runs a model asks here, so `hardware=` and `repro=` mean the same thing in train and eval.
+Every stage that runs a model applies its settings here, so `hardware=` and `repro=` mean the same thing in train
+and eval.
 """
 
 from __future__ import annotations
@@ -11,24 +12,8 @@ import os
 from omegaconf import DictConfig
 
 from reprotune.errors import ReprotuneError
+from reprotune.run import Run
 from reprotune.schema import REPRO_MODES
-
-
-def resolve_device(cfg: DictConfig) -> str:
-    import torch
-
-    wanted = cfg.hardware.device
-    if wanted == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ReprotuneError("hardware.device: hardware=gpu asked for CUDA, but torch sees no GPU (try hardware=cpu)")
-    return wanted
-
-
-def resolve_dtype(cfg: DictConfig, device: str) -> str:
-    if cfg.hardware.dtype != "auto":
-        return cfg.hardware.dtype
-    return "bfloat16" if device == "cuda" else "float32"
 
 
 def deterministic_kernels(repro: str, device: str) -> bool:
@@ -42,19 +27,19 @@ def deterministic_kernels(repro: str, device: str) -> bool:
     return repro == "strict" or (repro == "default" and device == "cuda")
 
 
-def set_reproducibility(cfg: DictConfig, device: str) -> None:
+def set_reproducibility(cfg: DictConfig, run: Run) -> None:
     """Seeds everywhere, and the kernels `repro` asks for (deterministic_kernels). strict also fills every
     uninitialised tensor with NaN (torch.utils.deterministic.fill_uninitialized_memory), which turns a read of
     memory no kernel wrote into a visible NaN: a check, not a source of determinism, so the default leaves it off
     (it costs a write of every new buffer). The CPU kernel level was fixed before torch loaded (reprotune.kernels):
-    here it is only checked against the config."""
+    here it is only checked against the config. run: the stage's (its device, repro mode and CPU kernels)."""
     import torch
     import torch.utils.deterministic
     from transformers import set_seed
 
     from reprotune import kernels
 
-    mode = str(cfg.hardware.cpu_kernels)
+    device, mode = str(run.device), str(run.cpu_kernels)
     warning = kernels.check_mode(mode)
     if warning:
         logging.getLogger("reprotune.runtime").warning(warning)
@@ -69,7 +54,7 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
                 "OMP_NUM_THREADS=%s overridden: computing with %d threads (hardware.num_threads; the bytes depend on "
                 "it)", user, threads)
         torch.set_num_threads(threads)
-    deterministic = deterministic_kernels(str(cfg.repro), device)
+    deterministic = deterministic_kernels(str(run.repro), device)
     if deterministic:
         # read when cuBLAS creates its handle (the first matrix product, after this): a fixed workspace per stream
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -78,7 +63,7 @@ def set_reproducibility(cfg: DictConfig, device: str) -> None:
         torch.backends.cudnn.deterministic = True
     else:
         torch.use_deterministic_algorithms(False)
-    torch.utils.deterministic.fill_uninitialized_memory = cfg.repro == "strict"
+    torch.utils.deterministic.fill_uninitialized_memory = run.repro == "strict"
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(cfg.hardware.tf32)
         torch.backends.cudnn.allow_tf32 = bool(cfg.hardware.tf32)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
+from reprotune.run import resolve
 
 log = logging.getLogger("reprotune.serve")
 
@@ -148,6 +149,7 @@ def serve(cfg: DictConfig) -> None:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
+        resolve(cfg, "serve")  # the door: the config makes a run (serve takes nothing else from it yet)
         if cfg.export.serve.info_only:
             print(info(cfg))
             return

@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from reprotune.models import (
     resolve_model_dir,
     training_chat_template,
 )
-from reprotune.objectives import Objective, objective
+from reprotune.objectives import Objective
 from reprotune.preference.packed import packed_class, register_pair_attention
 from reprotune.preference.trainers import (
     completion_tokens,
@@ -57,12 +58,13 @@ from reprotune.preference.trainers import (
     trl_classes,
     with_init_adapter,
 )
+from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings
-from reprotune.runtime import resolve_device, set_reproducibility
+from reprotune.runtime import set_reproducibility
 from reprotune.sizing.decide import detect
 from reprotune.sizing.preflight import preflight, train_shape
 from reprotune.train_outputs import loss_curves, mean_loss, save_adapter, write_curves
-from reprotune.trainer_args import guarantee_keys
+from reprotune.trainer_args import guarantee_keys, passthrough_keys
 
 log = logging.getLogger("reprotune.train")
 
@@ -132,7 +134,7 @@ def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
     reprotune.sizing.decide (packing)."""
     from trl import SFTConfig
 
-    keys = library_keys(cfg, "train")
+    keys = passthrough_keys(cfg, "train")
     keys.update(
         **guarantee_keys(cfg, run, keys, has_val),
         packing=run.packing,
@@ -213,7 +215,7 @@ def recipe(obj: Objective, run: RunSettings) -> Recipe:
         trainer_class = reference_keeps_checkpointing(trainer_class)
         if run.packing:  # decide packs DPO's and ORPO's pairs and KTO's rows
             trainer_class = packed_class(trainer_class, obj.name)
-        return Recipe(trainer_class=checkpoints.sealing_trainer_class(trainer_class), trainer_config=preference_config)
+        return Recipe(trainer_class=checkpoints.sealing_trainer_class(trainer_class), trainer_config=partial(preference_config, obj=obj))
     from trl import SFTTrainer
 
     return Recipe(trainer_class=checkpoints.sealing_trainer_class(SFTTrainer), trainer_config=sft_config)
@@ -380,25 +382,25 @@ def train_record(cfg: DictConfig, obj: Objective, run: RunSettings, trainer, mod
                  **{name: mf.path_record(out_dir / f, root) for name, f in
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
         timing=timing, run_settings=run.as_record(),
-        **({"objective": objective_record(cfg, root)} if obj.preference else {}),
+        **({"objective": objective_record(cfg, obj, root)} if obj.preference else {}),
         distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
                      "strategy": run.strategy, "global_batch": run.global_batch})
 
 
 # ----------------------------------------------------------------------------------------------- recipe
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """setup -> train -> save -> report."""
+def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
+    """setup -> train -> save -> report, on the stage's Run (main's; a caller without one: resolve(cfg, "train"))."""
     from reprotune.manifest import write_json
 
     started = time.time()
-    obj = objective(cfg)  # what the objective decides (reprotune.objectives), resolved once and handed on
+    resolved = resolved if resolved is not None else resolve(cfg, "train")
+    obj, device = resolved.objective, resolved.device
     # varying packed lengths fragment the caching allocator (reserved was 2.3x allocated on the H200); expandable
     # segments keep reserved memory close to what is used. Allocation only: the numbers computed are unchanged.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     # setup: where the math runs, the data, the tokenizer, the one decision of the run's settings, the model
-    device = resolve_device(cfg)
-    set_reproducibility(cfg, device)
+    set_reproducibility(cfg, resolved)
     world = distributed.world()
     distributed.init_process_group(device)
     log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
@@ -406,14 +408,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("base model: %s", base_identity(cfg.model)[0])
     rows, val_rows = load_rows(cfg, obj)
     model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg)
-    run = preflight(cfg, detect(device), train_shape(cfg, model_dir))  # reprotune.sizing.decide
+    run = preflight(cfg, detect(device), train_shape(cfg, model_dir), resolved)  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
     register_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if obj.preference:  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg))
-        log.info("objective %s, reference: %s", cfg.objective.name, reference(cfg))
+        log.info("objective %s, reference: %s", obj.name, reference(cfg, obj))
     resume_from = checkpoints.prepare_resume(cfg, world)
     tokens_before = checkpoints.tokens_seen_before(resume_from)  # read now: rotation may remove that checkpoint
     log.info("%s; strategy %s", run.global_batch, run.strategy)
@@ -451,7 +453,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        train(cfg)
+        run = resolve(cfg, "train")
+        train(cfg, run)
 
 
 if __name__ == "__main__":

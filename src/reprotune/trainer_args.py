@@ -13,7 +13,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune import distributed
+from reprotune.config import library_keys
 from reprotune.run_settings import RunSettings
+
+# what reprotune.sizing.decide fits (RunSettings): the trainer gets these from guarantee_keys alone, never as the
+# train group wrote them (the fit may re-batch: rows x accumulation kept, the rows changed)
+FITTED_KEYS = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+
+
+def passthrough_keys(cfg: DictConfig, group: str) -> dict[str, Any]:
+    """A group's keys as the library takes them (reprotune.config.library_keys), less FITTED_KEYS."""
+    return {k: v for k, v in library_keys(cfg, group).items() if k not in FITTED_KEYS}
 
 
 def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, Any]:

@@ -33,10 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from reprotune.config import library_keys
 from reprotune.errors import ReprotuneError
 from reprotune.io import iter_jsonl
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
 from reprotune.run_settings import RunSettings
 from reprotune.schema import OBJECTIVES
-from reprotune.trainer_args import guarantee_keys
+from reprotune.trainer_args import guarantee_keys, passthrough_keys
 
 
 def trl_classes(name: str) -> tuple[type, type]:
@@ -177,12 +177,11 @@ def objective_wins(train_keys: dict[str, Any], objective_keys: dict[str, Any]) -
             if k in train_keys and train_keys[k] != v]
 
 
-def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool):
+def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool, obj: Objective):
     """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
-    obj = objective(cfg)
     _, config_class = trl_classes(obj.name)
     skip = sft_only_keys(config_class)
-    keys = {k: v for k, v in library_keys(cfg, "train").items() if k not in skip}
+    keys = {k: v for k, v in passthrough_keys(cfg, "train").items() if k not in skip}
     own = library_keys(cfg, "objective")
     if won := objective_wins(keys, own):
         logging.getLogger("reprotune.train").info("%s: the objective's keys win (docs/configuration.md)", ", ".join(won))
@@ -241,9 +240,8 @@ def with_init_adapter(model: Any, path: Path | None) -> Any:
     return PeftModel.from_pretrained(model, str(path), is_trainable=True)
 
 
-def reference(cfg: DictConfig) -> str:
+def reference(cfg: DictConfig, obj: Objective) -> str:
     """What the implicit reward is measured against, in words for the manifest and the log."""
-    obj = objective(cfg)
     if not obj.reference:
         return f"none ({obj.name.upper()} has no reference model)"
     if cfg.objective.get("init_adapter"):
@@ -251,13 +249,13 @@ def reference(cfg: DictConfig) -> str:
     return "base (the adapter disabled)"
 
 
-def objective_record(cfg: DictConfig, root: Path) -> dict[str, Any]:
+def objective_record(cfg: DictConfig, obj: Objective, root: Path) -> dict[str, Any]:
     """The manifest's objective: name, reference, beta, loss, the starting adapter by sha256."""
     from reprotune import manifest as mf
 
     init = init_adapter_dir(cfg)
     loss = cfg.objective.get("loss_type")
-    return {"name": objective(cfg).name, "reference": reference(cfg), "beta": cfg.objective.get("beta"),
+    return {"name": obj.name, "reference": reference(cfg, obj), "beta": cfg.objective.get("beta"),
             "loss_type": OmegaConf.to_container(loss) if OmegaConf.is_config(loss) else loss,
             "init_adapter": mf.path_record(init, root) if init else None}
 

@@ -1,8 +1,8 @@
 """One decision per run: the settings `make train` trains with and `make plan` reports, decided once from the
 config and a description of the hardware, each choice with its reason.
 
-    run = decide(cfg, card("H200"))       # make plan, tests: a described card, no GPU needed
-    run = decide(cfg, detect(cfg, device)) # make train: the GPU this process sees (reprotune.sizing.preflight)
+    run = decide(cfg, card("H200"), resolved=plan)           # make plan: a described card (resolved: its Run)
+    run = decide(cfg, detect(train.device), resolved=train)  # make train: this process's GPU (sizing.preflight)
 
 A pure function of the config (and the files it names: the prepared data's token lengths, a local config.json)
 and a Hardware value, so a CPU test can drive the CUDA branch with a described card. What it decides:
@@ -12,8 +12,7 @@ and a Hardware value, so a CPU test can drive the CUDA branch with a described c
   hardware.gradient_checkpointing=auto on CUDA, the fastest setting the throughput model predicts among those the
   memory model says fit the budget (reprotune.sizing.fit); otherwise as configured;
 - processes, the strategy among them and each one's share of the accumulation (reprotune.distributed).
-No torch, except in detect().
-"""
+No torch, except in detect()."""
 
 from __future__ import annotations
 
@@ -29,9 +28,10 @@ from reprotune.config import every_n_layers, plain, quantization
 from reprotune.errors import ReprotuneError
 from reprotune.families import LLAMA_STYLE
 from reprotune.models import random_init_architecture
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
+from reprotune.run import Run, dtype_for, resolve
 from reprotune.run_settings import RunSettings, Settings
-from reprotune.runtime import attention, deterministic_kernels, resolve_dtype
+from reprotune.runtime import attention, deterministic_kernels
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import (
     GIB,
@@ -78,7 +78,7 @@ def liger_available() -> bool:
 
 
 def detect(device: str) -> Hardware:
-    """The hardware this process runs on (device from reprotune.runtime.resolve_device)."""
+    """The hardware this process runs on (device: the stage's resolved one, reprotune.run.Run.device)."""
     world = distributed.world().size
     if device != "cuda":
         return Hardware(device=device, name=device.upper(), liger_installed=liger_available(), world_size=world)
@@ -107,7 +107,7 @@ def _auto(value: Any) -> bool:
     return value is None or value == "auto"
 
 
-def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bool | None]:
+def long_context_switches(cfg: DictConfig, device: str, obj: Objective) -> tuple[bool | None, bool | None]:
     """hardware.activation_offloading and hardware.tiled_mlp: True/False when set, None when auto (the fit
     decides on CUDA; off elsewhere). TRL's train.activation_offloading, passed through by hand, counts as set."""
     h = cfg.hardware
@@ -115,9 +115,7 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
     if cfg.train.get("activation_offloading") is not None:
         offload = bool(cfg.train.activation_offloading)
     offload = None if _auto(offload) else bool(offload)
-    tiled = h.tiled_mlp
-    tiled = None if _auto(tiled) else bool(tiled)
-    obj = objective(cfg)
+    tiled = None if _auto(h.tiled_mlp) else bool(h.tiled_mlp)
     if obj.packs and cfg.train.get("packing") is not False:
         # packed DPO pairs (KTO's rows and ORPO's pairs take the same packed call): the tiled MLP's recompute does
         # not match its forward there (torch.utils.checkpoint's CheckpointError on the H200, 8B LoRA, 8 pairs of 1,668
@@ -146,6 +144,7 @@ def long_context_switches(cfg: DictConfig, device: str) -> tuple[bool | None, bo
 @dataclass(frozen=True)
 class _Paths:
     """The code paths chosen before any memory is counted."""
+    obj: Objective   # the run's objective (reprotune.run.Run.objective)
     dtype: str
     packing: bool
     attn: str | None
@@ -176,7 +175,7 @@ def optimizer(cfg: DictConfig, device: str) -> tuple[str, str | None]:
     return configured, None
 
 
-def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
+def _paths(cfg: DictConfig, hw: Hardware, obj: Objective) -> _Paths:
     h, cuda = cfg.hardware, hw.device == "cuda"
     fast = cuda if _auto(h.fast_path) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
@@ -184,7 +183,6 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
     # KTO's packed rows and ORPO's packed pairs only where the fast path is (the CPU keeps TRL's padded batch, and
     # its bytes)
-    obj = objective(cfg)
     packing = (fast or obj.packs_on_cpu) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
     if obj.packs and packing:
         reasons.append(obj.packed_reason)
@@ -195,7 +193,7 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
         liger = fast and cuda and hw.liger_installed
         if fast and cuda and not liger:
             reasons.append("liger-kernel not installed (pip install liger-kernel): unfused norms/activations")
-    norm = norm_kernel(cfg, bool(liger))
+    norm = norm_kernel(cfg, bool(liger), obj.preference)
     if norm == "torch":
         reasons.append("RMSNorm: torch's fused rms_norm (one ATen call a norm; Liger's Triton launcher costs more "
                        "host time, and these steps wait on the host)")
@@ -207,11 +205,11 @@ def _paths(cfg: DictConfig, hw: Hardware) -> _Paths:
     optim, why = optimizer(cfg, hw.device)
     if why:
         reasons.append(why)
-    workers = dataloader_workers(cfg, hw.device, packing)
+    workers = dataloader_workers(cfg, hw.device, packing, obj.preference)
     if workers:
         reasons.append(f"DataLoader workers: {workers}; the collator packs the next micro-batches (and gathers the host "
                        "embedding's rows) while the GPU computes, not at each step's start")
-    return _Paths(dtype=resolve_dtype(cfg, hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
+    return _Paths(obj=obj, dtype=dtype_for(str(cfg.hardware.dtype), hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
                   fused=fused, optim=optim, workers=workers, reasons=tuple(reasons),
                   dq_split_sms=dq_split_sms(cfg, hw, attn))
 
@@ -223,7 +221,7 @@ def dq_split_sms(cfg: DictConfig, hw: Hardware, attn: str | None) -> int:
     return hw.multiprocessors if varlen and deterministic_kernels(str(cfg.repro), hw.device) else 0
 
 
-def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
+def dataloader_workers(cfg: DictConfig, device: str, packing: bool, preference: bool) -> int:
     """hardware.dataloader_workers: processes that build the batches (the DataLoader's num_workers). auto: one for
     a packed preference run on CUDA, whose collator packs each micro-batch on the host (and gathers the host
     embedding's rows): the Trainer draws a step's micro-batches at the step's start, after the logging's
@@ -234,7 +232,7 @@ def dataloader_workers(cfg: DictConfig, device: str, packing: bool) -> int:
 
     chosen = cfg.hardware.dataloader_workers
     if _auto(chosen):
-        chosen = int(device == "cuda" and packing and objective(cfg).preference)
+        chosen = int(device == "cuda" and packing and preference)
     chosen = int(chosen)
     if chosen < 0:
         raise ReprotuneError(f"hardware.dataloader_workers: {chosen} is negative (auto, 0 or a number of processes)")
@@ -257,7 +255,7 @@ def model_family(cfg: DictConfig, shape: Shape | None = None) -> str:
     return ""
 
 
-def norm_kernel(cfg: DictConfig, liger: bool) -> str:
+def norm_kernel(cfg: DictConfig, liger: bool, preference: bool) -> str:
     """hardware.norm_kernel: which kernel the RMSNorms run when Liger's kernels are on (off: the model's own).
     auto: torch's fused rms_norm for a preference run's Llama-style norms, Liger's otherwise. Why: a packed DPO
     step waits on the host, and torch's call costs about a third of the host time of Liger's launcher; an SFT step
@@ -266,7 +264,7 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     if not liger:
         return "eager"
     chosen = cfg.hardware.norm_kernel
-    chosen = ("torch" if objective(cfg).preference else "liger") if _auto(chosen) else str(chosen)
+    chosen = ("torch" if preference else "liger") if _auto(chosen) else str(chosen)
     if chosen not in NORM_KERNELS:
         raise ReprotuneError(f"hardware.norm_kernel: {chosen!r} is not one of auto, {', '.join(NORM_KERNELS)}")
     if chosen == "torch" and model_family(cfg) not in LLAMA_STYLE_FAMILIES:
@@ -274,14 +272,14 @@ def norm_kernel(cfg: DictConfig, liger: bool) -> str:
     return chosen
 
 
-def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> bool | None:
+def embedding_switch(cfg: DictConfig, hw: Hardware, shape: Shape | None, obj: Objective) -> bool | None:
     """hardware.embedding_on_host: True/False when it is decided here, None when auto leaves it to the memory fit
     (on the host only where that lets a faster setting fit the budget: reprotune.sizing.fit.with_host_embedding).
     auto considers it for preference runs only, where it was measured (bench/dpo_recipe.py, docs/preference.md);
     an SFT run's picks stay as recorded (tests/golden/run_picks.json) unless it is set true. Only a GPU run's
     untied, frozen, plain input embedding can stay on the host; set true otherwise, one line."""
     value = cfg.hardware.embedding_on_host
-    if (not _auto(value) and not bool(value)) or (_auto(value) and not objective(cfg).preference):
+    if (not _auto(value) and not bool(value)) or (_auto(value) and not obj.preference):
         return False
     why = _why_embedding_stays(cfg, hw, shape)
     if why is None:
@@ -311,18 +309,19 @@ def _why_embedding_stays(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> 
 def packed_pairs(cfg: DictConfig, p: _Paths) -> bool:
     """DPO's and ORPO's packed pairs, KTO's packed rows (reprotune.preference.packed): modelled as packed rows, one
     pair (one KTO example) per row."""
-    return objective(cfg).packs and p.packing
+    return p.obj.packs and p.packing
 
 
 def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
     """A preference run on TRL 1.16's padded batches: DPO, ORPO or KTO unpacked (train.packing=false; ORPO and KTO
     off a GPU)."""
-    return objective(cfg).preference and not packed_pairs(cfg, p)
+    return p.obj.preference and not packed_pairs(cfg, p)
 
 
-def preference_padded_on(cfg: DictConfig, hw: Hardware) -> bool:
+def preference_padded_on(cfg: DictConfig, hw: Hardware, resolved: Run | None = None) -> bool:
     """padded_preference on `hw` (make plan reads the prepared rows the way the run will batch them)."""
-    return padded_preference(cfg, _paths(cfg, hw))
+    resolved = resolved if resolved is not None else resolve(cfg, "plan")
+    return padded_preference(cfg, _paths(cfg, hw, resolved.objective))
 
 
 def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "prepared") -> Settings:
@@ -330,19 +329,20 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
     DPO pairs as packed rows of the longest pair (rows = pairs per micro-batch); padded preference rows as
     padded_batch says, each sequence at most the objective's max_length."""
     method, train = cfg.method, cfg.train
+    rows, accum = configured_batch(cfg)
     targets = method.target_modules or cfg.model.lora_target_modules
     targets = [targets] if isinstance(targets, str) else list(targets)
     quant = quantization(cfg) or {}
     ckpt = cfg.hardware.gradient_checkpointing
     attn = p.attn or "sdpa"
-    offload, tiled = long_context_switches(cfg, "cuda")  # forced on: in the view; auto: the fit adds them
+    offload, tiled = long_context_switches(cfg, "cuda", p.obj)  # forced on: in the view; auto: the fit adds them
     # a packed DPO pair is one row; KTO's rows are the same packed or padded (one sequence each, the reference and
     # the KL batch's forwards without gradients, at least two rows: TRL refuses one with the KL term)
-    obj = objective(cfg)
+    obj = p.obj
     unpaired_rows = obj.preference and not obj.paired  # KTO's
-    padded = padded_batch(cfg) if padded_preference(cfg, p) or unpaired_rows else {}
+    padded = padded_batch(cfg, obj) if padded_preference(cfg, p) or unpaired_rows else {}
     if packed_pairs(cfg, p):
-        max_length = pair_row_tokens(cfg, data)
+        max_length = pair_row_tokens(cfg, obj, data)
     elif padded:
         max_length = int(cfg.objective.get("max_length") or train.max_length)
     else:
@@ -351,8 +351,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
                     dora=bool(method.use_dora), r=int(method.r), targets=tuple(targets),
                     checkpointing=True if _auto(ckpt) else bool(ckpt), packing=p.packing,
-                    batch_size=int(train.per_device_train_batch_size),
-                    grad_accum=int(train.gradient_accumulation_steps),
+                    batch_size=rows, grad_accum=accum,
                     max_length=max_length,
                     # varlen_attention keeps what flex attention keeps for backward (q, k, v, out, lse): one rule
                     # pair_dense (strict DPO) keeps each document's score matrix for backward, as eager does
@@ -362,6 +361,11 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
                     tiled_mlp=tile_tokens(cfg) if tiled else 0,
                     host_embedding=_forced_on(cfg.hardware.embedding_on_host), dq_split_sms=p.dq_split_sms, **padded)
+
+
+def configured_batch(cfg: DictConfig) -> tuple[int, int]:
+    """The configured micro-batch and accumulation: their one read (the trainer gets the fitted pair, RunSettings)."""
+    return int(cfg.train.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
 
 
 def _forced_on(value: Any) -> bool:
@@ -380,9 +384,10 @@ def configured_tile(cfg: DictConfig) -> int | None:
     return int(value) if value else None
 
 
-def configured_settings(cfg: DictConfig, hw: Hardware | None = None) -> Settings:
+def configured_settings(cfg: DictConfig, hw: Hardware | None = None, resolved: Run | None = None) -> Settings:
     """The memory model's view of the run as configured on `hw` (default: a GPU with the CUDA lock), unfitted."""
-    return _memory_view(cfg, _paths(cfg, hw or Hardware(device="cuda")))
+    resolved = resolved if resolved is not None else resolve(cfg, "plan")
+    return _memory_view(cfg, _paths(cfg, hw or Hardware(device="cuda"), resolved.objective))
 
 
 @dataclass(frozen=True)
@@ -466,29 +471,30 @@ def _run_settings(cfg: DictConfig, hw: Hardware, p: _Paths, f: _Fitted, reasons:
 
 
 def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
-           data: DataShape | None | str = "prepared") -> RunSettings:
+           data: DataShape | None | str = "prepared", resolved: Run | None = None) -> RunSettings:
     """The run's settings on `hw`. shape: the model's (default: from its preset, reprotune.sizing.shape.model_shape;
     train passes the downloaded config.json's for a preset without one); data: the prepared data's token lengths
-    (default: read from paths.prepared; None: full-length examples)."""
-    p = _paths(cfg, hw)
+    (default: read from paths.prepared; None: full-length examples); resolved: the stage's Run (default: plan's)."""
+    resolved = resolved if resolved is not None else resolve(cfg, "plan")
+    p = _paths(cfg, hw, resolved.objective)
     reasons = list(p.reasons)
     try:
         shape = shape or model_shape(cfg.model)
     except PlanError as err:  # an unknown architecture must not block training: say so and go on as configured
         reasons.append(f"plan: {err} (no memory fit)")
         shape = None
-    padded = padded_preference(cfg, p)
-    data = load_data_shape(cfg, padded=padded, world_size=hw.world_size) if data == "prepared" else data
+    padded, (rows, accum) = padded_preference(cfg, p), configured_batch(cfg)
+    data = (load_data_shape(cfg, padded=padded, world_size=hw.world_size, obj=p.obj, global_batch=rows * accum)
+            if data == "prepared" else data)
     if shape is not None and packed_pairs(cfg, p):
-        lines, data = packed_reasons(cfg, data)
+        lines, data = packed_reasons(cfg, p.obj, data)
         reasons += lines
-    offload, tiled = long_context_switches(cfg, hw.device)
-    f = _Fitted(rows=int(cfg.train.per_device_train_batch_size), accum=int(cfg.train.gradient_accumulation_steps),
-                ckpt=cfg.hardware.gradient_checkpointing, every=every_n_layers(cfg), offload=offload,
-                tile=tile_tokens(cfg) if tiled else 0, host=embedding_switch(cfg, hw, shape),
+    offload, tiled = long_context_switches(cfg, hw.device, p.obj)
+    f = _Fitted(rows=rows, accum=accum, ckpt=cfg.hardware.gradient_checkpointing, every=every_n_layers(cfg), offload=offload,
+                tile=tile_tokens(cfg) if tiled else 0, host=embedding_switch(cfg, hw, shape, p.obj),
                 planned=_memory_view(cfg, p, data) if shape else None)
     if hw.device == "cuda" and f.planned is not None:
         f = _fit_on_gpu(cfg, hw, p, shape, data, f, tiled, reasons)
     if padded and f.planned is not None:
-        reasons.append(f"plan: {padded_reason(cfg, f.planned, data)}")
+        reasons.append(f"plan: {padded_reason(p.obj, f.planned, data)}")
     return _run_settings(cfg, hw, p, f, reasons)

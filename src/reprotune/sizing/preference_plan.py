@@ -2,7 +2,7 @@
 (DPO, ORPO) and KTO's packed rows as one row each, padded batches as TRL 1.16's trainers build them, and the plan's
 line saying which.
 
-Pure: the config, the registry of objectives and the data's shape; no torch."""
+Pure: the config, the run's objective (reprotune.run.Run.objective) and the data's shape; no torch."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
 from reprotune.run_settings import Settings
 from reprotune.sizing.shape import DataShape, load_data_shape
 
 
-def pair_row_tokens(cfg: DictConfig, data: DataShape | None | str = "prepared") -> int:
+def pair_row_tokens(cfg: DictConfig, obj: Objective, data: DataShape | None | str = "prepared") -> int:
     """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
     each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
-    data = load_data_shape(cfg, padded=False) if data == "prepared" else data
-    paired = objective(cfg).paired
+    data = load_data_shape(cfg, padded=False, obj=obj) if data == "prepared" else data
+    paired = obj.paired
     return data.max_tokens if data else (2 if paired else 1) * int(cfg.train.max_length)
 
 
-def padded_batch(cfg: DictConfig) -> dict[str, Any]:
+def padded_batch(cfg: DictConfig, obj: Objective) -> dict[str, Any]:
     """What a micro-batch of a padded preference objective runs, from TRL 1.16's trainers (trl/trainer/dpo_trainer.py
     DataCollatorForPreference and _compute_loss, trl/experimental/orpo/orpo_trainer.py concatenated_forward,
     trl/trainer/kto_trainer.py _compute_loss and _compute_kl_logps), as the memory model's Settings fields:
@@ -34,14 +34,14 @@ def padded_batch(cfg: DictConfig) -> dict[str, Any]:
     - KTO: B rows (a prompt and its completion) with gradients; its KL batch (B rows of a prompt and the previous
       example's completion, loss_type kto) goes through the policy under torch.no_grad, before its forward, and
       through the reference, after it; the reference forward of the B rows under torch.no_grad."""
-    obj, conf = objective(cfg), cfg.objective
+    conf = cfg.objective
     return {"sequences": 2 if obj.paired else 1,
             "reference": obj.reference and not conf.get("precompute_ref_log_probs", False),
             "kl_rows": obj.kl_batch and str(conf.get("loss_type", "kto")) != "apo_zero_unpaired",
             "full_logits": obj.full_logits}
 
 
-def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
+def padded_reason(obj: Objective, s: Settings, data: DataShape | None) -> str:
     """The plan's line for a padded preference run (its settings as fitted)."""
     b, longest = s.batch_size, s.max_length if data is None else min(data.max_tokens, s.max_length)
     where = "the prepared rows' longest sequence" if data else "max_length: no prepared rows"
@@ -53,7 +53,7 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
     extra = []
     if s.reference:
         extra.append("the reference forward over them without gradients (no saved activations, a transient)")
-    elif objective(cfg).reference:
+    elif obj.reference:
         extra.append("no reference forward (precompute_ref_log_probs)")
     else:
         extra.append("no reference")
@@ -62,14 +62,14 @@ def padded_reason(cfg: DictConfig, s: Settings, data: DataShape | None) -> str:
                      f"{' and the reference' if s.reference else ''} without gradients")
     if s.full_logits:
         extra.append("the logits of every position (TRL's ORPO has no fused LM head)")
-    return (f"padded pairs: {objective(cfg).name} modelled as {rows} with gradients; {'; '.join(extra)}; "
+    return (f"padded pairs: {obj.name} modelled as {rows} with gradients; {'; '.join(extra)}; "
             "held to one H200 run each of 8B LoRA ORPO and KTO (conf/plan/calibration.json)")
 
 
-def packed_reasons(cfg: DictConfig, data: DataShape | None) -> tuple[list[str], DataShape | None]:
+def packed_reasons(cfg: DictConfig, obj: Objective, data: DataShape | None) -> tuple[list[str], DataShape | None]:
     """The plan's line for packed pairs (KTO: packed rows), and the data shape the memory model uses for them
     (ORPO's fused LM head scores the whole chosen sequence: its share of the packed tokens bounded by all)."""
-    obj, tokens = objective(cfg), pair_row_tokens(cfg, data)
+    tokens = pair_row_tokens(cfg, obj, data)
     if obj.paired and obj.reference:  # DPO
         return [f"plan: a pair is one packed row of up to {tokens} tokens (the prompt once, both answers); the "
                 "reference forward runs without gradients"], data

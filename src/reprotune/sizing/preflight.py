@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from reprotune.run import Run
 from reprotune.run_settings import RunSettings
 from reprotune.sizing.decide import Hardware, configured_settings, decide
 from reprotune.sizing.fit import describe, overrides_for
@@ -36,19 +37,20 @@ def train_shape(cfg: DictConfig, model_dir: str | Path) -> Shape | None:
             return None
 
 
-def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None) -> RunSettings:
+def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None, resolved: Run | None = None) -> RunSettings:
     """The run's settings on `hw`, written to outputs/train/plan.json (on a GPU with the whole plan for it); exit 2
-    (one line, with the overrides that would fit) when the predicted need is over the free memory."""
-    run = decide(cfg, hw, shape)
+    (one line, with the overrides that would fit) when the predicted need is over the free memory. resolved: train's
+    reprotune.run.Run (None: decide's default, plan's)."""
+    run = decide(cfg, hw, shape, resolved=resolved)
     out = Path(cfg.paths.train_dir) / "plan.json"
     if hw.device != "cuda" or run.planned is None:
         write_plan({"device": run.device, "run_settings": run.as_record(), "memory": None,
                     "note": "nothing fitted off a GPU (or without the model's shape); make plan plans a GPU run"}, out)
         return run
-    write_plan(make_plan(cfg, hw, shape, run) | {"run_settings": run.as_record()}, out)
+    write_plan(make_plan(cfg, hw, shape, run, resolved) | {"run_settings": run.as_record()}, out)
     if not run.fits:
         other = run.fallback
-        hint = (f"settings that fit: {' '.join(overrides_for(other, configured_settings(cfg, hw)))} "
+        hint = (f"settings that fit: {' '.join(overrides_for(other, configured_settings(cfg, hw, resolved)))} "
                 f"({run.fallback_card_gib} GiB)"
                 if other else "nothing fits this GPU; use a larger card (make plan shows which)")
         print(f"train: preflight: predicted {run.predicted['card_gib']} GiB (peak {run.predicted['peak_gib']} GiB "

@@ -14,12 +14,14 @@ import yaml
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
+from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings, Settings
 from reprotune.sizing.calibration import measured_run
 from reprotune.sizing.decide import (
     Hardware,
     card,
+    configured_batch,
     configured_settings,
     decide,
     preference_padded_on,
@@ -41,7 +43,8 @@ from reprotune.sizing.throughput import steps_and_tokens, tokens_per_second
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
-def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict[str, Any]) -> list[str]:
+def warnings_for(cfg: DictConfig, obj: Objective, s: Settings, data: DataShape | None,
+                 run: dict[str, Any]) -> list[str]:
     out = []
     model = cfg.model
     local = bool(model.path) and Path(str(model.path)).is_dir()
@@ -56,7 +59,7 @@ def warnings_for(cfg: DictConfig, s: Settings, data: DataShape | None, run: dict
         out.append(f"model '{model.name}': the built-in tokenizer has {BUILTIN_TOKENIZER_VOCAB:,} ids but the model's "
                    f"vocab_size is {vocab:,}: make train stops (give it a tokenizer of at most {vocab:,} ids)")
     if data is None:
-        if objective(cfg).preference:  # a preference run's rows are in paths.pairs
+        if obj.preference:  # a preference run's rows are in paths.pairs
             out.append(f"{cfg.paths.pairs}: no prepared pairs (run make prepare ARGS=\"objective="
                        f"{cfg.objective.name}\"); memory assumes the longest rows max_length allows, and no time or cost "
                        "without token counts")
@@ -96,15 +99,16 @@ def tokenizer_id(preset: str) -> str:
     return f"builtin:{builtin['sha256']}" if builtin else str(model.get("path") or preset)
 
 
-def time_and_cost(cfg: DictConfig, shape: Shape, base: Settings, data: DataShape | None,
+def time_and_cost(cfg: DictConfig, resolved: Run, shape: Shape, base: Settings, data: DataShape | None,
                   tables: dict[str, Any]) -> list[dict[str, Any]]:
     """Per GPU class in the price table: what make train would run there (or, where that does not fit, the setting
     its preflight suggests), tokens/s, time per epoch and run, cost."""
     prices = tables["prices"]
-    run = steps_and_tokens(base, data, cfg)  # the global batch, and so the steps, is the same in every setting
+    # the global batch, and so the steps, is the same in every setting
+    run = steps_and_tokens(base, data, cfg, resolved.objective)
     rows = []
     for gpu in prices["gpus"]:
-        decided = decide(cfg, card(gpu), shape, data)
+        decided = decide(cfg, card(gpu), shape, data, resolved)
         cand = decided.planned if decided.fits else decided.fallback
         row: dict[str, Any] = {"gpu": gpu, "fits": cand is not None, "as_configured": decided.fits}
         if cand and run:
@@ -131,30 +135,34 @@ def fit_row(decided: RunSettings, base: Settings, gpu: str) -> dict[str, Any]:
             "overrides": overrides_for(other, base) if other else []}
 
 
-def fit_table(cfg: DictConfig, shape: Shape, data: DataShape | None, base: Settings,
+def fit_table(cfg: DictConfig, resolved: Run, shape: Shape, data: DataShape | None, base: Settings,
               world_size: int = 1) -> dict[str, dict[str, Any]]:
     """The plan's cards (conf/plan/throughput.yaml `cards`), each with make train's pick there."""
-    return {f"{size} GB": fit_row(decide(cfg, card(gpu, world_size), shape, data), base, gpu)
+    return {f"{size} GB": fit_row(decide(cfg, card(gpu, world_size), shape, data, resolved), base, gpu)
             for size, gpu in load_tables()["throughput"]["cards"].items()}
 
 
 def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None = None,
-              run: RunSettings | None = None) -> dict[str, Any]:
+              run: RunSettings | None = None, resolved: Run | None = None) -> dict[str, Any]:
     """The whole plan as a JSON-able dict, for `hw` (make train's preflight: this GPU; make plan: the largest card,
-    the H200). shape: as reprotune.sizing.decide.decide takes it; run: decide's answer when already known."""
+    the H200). shape: as reprotune.sizing.decide.decide takes it; run: decide's answer when already known;
+    resolved: the stage's reprotune.run.Run (default: resolve(cfg, "plan")'s)."""
+    resolved = resolved if resolved is not None else resolve(cfg, "plan")
     described = hw or card("H200")
     tables = load_tables()
     consts = tables["memory"]
     shape = shape or model_shape(cfg.model)
     # rows as the run will batch them (packed pairs: the micro-batches it will draw on these processes)
-    data = load_data_shape(cfg, padded=preference_padded_on(cfg, described), world_size=described.world_size)
-    run = run or decide(cfg, described, shape, data)
+    rows, accum = configured_batch(cfg)
+    data = load_data_shape(cfg, padded=preference_padded_on(cfg, described, resolved),
+                           world_size=described.world_size, obj=resolved.objective, global_batch=rows * accum)
+    run = run or decide(cfg, described, shape, data, resolved)
     s, mem, budget = run.planned, run.predicted, run.budget_bytes
-    base = configured_settings(cfg, described)
+    base = configured_settings(cfg, described, resolved)
     p = count_params(shape, list(s.targets), s.r, s.dora)
     mem_other = memory(shape, p, replace(s, checkpointing=not s.checkpointing), data, consts)
-    fit = fit_table(cfg, shape, data, base, described.world_size)
-    steps = steps_and_tokens(s, data, cfg)
+    fit = fit_table(cfg, resolved, shape, data, base, described.world_size)
+    steps = steps_and_tokens(s, data, cfg, resolved.objective)
     return {
         "model": {"name": str(cfg.model.name), "shape": asdict(shape), "parameters": p.total,
                   "trainable_parameters": p.trainable,
@@ -170,10 +178,10 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
         "fit": fit,
         "data": asdict(data) if data else None,
         "run": steps,
-        "time_and_cost": time_and_cost(cfg, shape, base, data, tables),
+        "time_and_cost": time_and_cost(cfg, resolved, shape, base, data, tables),
         "prices_as_of": tables["prices"]["as_of"],
         "prices_verified": tables["prices"].get("verified", False),
-        "warnings": warnings_for(cfg, s, data, steps),
+        "warnings": warnings_for(cfg, resolved.objective, s, data, steps),
         "reasons": list(run.reasons),
     }
 

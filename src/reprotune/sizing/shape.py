@@ -14,6 +14,7 @@ import yaml
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR, plain
+from reprotune.objectives import Objective
 
 PLAN_DIR = CONF_DIR / "plan"
 
@@ -230,14 +231,18 @@ def padded_shape_from_prepared(prepared: Path | str, objective: str) -> dict[str
             "source": str(prepared)}
 
 
-def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int = 1) -> DataShape | None:
+def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int = 1,
+                    obj: Objective | None = None, global_batch: int | None = None) -> DataShape | None:
     """The prepared training data's shape: conversations, or (a preference objective) packed pairs, or with
     `padded` the padded rows of TRL's preference trainers (None: DPO and ORPO with train.packing other than false
     are packed pairs, as on the GPU; KTO and unpacked pairs are padded; KTO's rows are the same packed or padded).
-    Packed pairs carry the largest micro-batch the run will draw on `world_size` processes, where that is known."""
-    from reprotune.objectives import objective
+    Packed pairs carry the largest micro-batch the run will draw on `world_size` processes, where that is known
+    (global_batch: the configured rows x accumulation, reprotune.sizing.decide.configured_batch; None: not drawn).
+    obj: the run's objective (reprotune.run.Run.objective; default: resolve(cfg, "plan")'s)."""
+    if obj is None:
+        from reprotune.run import resolve
 
-    obj = objective(cfg)
+        obj = resolve(cfg, "plan").objective
     # a preference run's paths.prepared is its pairs' folder (conf/objective/paths/preference.yaml)
     prepared = Path(cfg.paths.prepared)
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
@@ -249,10 +254,9 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int
         # KTO's rows are the same sequences packed or padded: only packed pairs are counted another way
         found = (pair_shape_from_prepared(prepared) if paired and not padded
                  else padded_shape_from_prepared(prepared, obj.name))
-        if found and paired and not padded:
+        if found and paired and not padded and global_batch:
             from reprotune.sizing.draws import drawn_batch_tokens
 
-            global_batch = int(cfg.train.per_device_train_batch_size) * int(cfg.train.gradient_accumulation_steps)
             found["drawn_batch_tokens"] = drawn_batch_tokens(cfg, prepared, found["prepared_max_length"],
                                                              global_batch, world_size)
         return DataShape(**found) if found else None

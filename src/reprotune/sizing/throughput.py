@@ -17,7 +17,7 @@ from reprotune.flops import (
     checkpointed_layers,
     lora_step_flops_per_token,
 )
-from reprotune.objectives import objective
+from reprotune.objectives import Objective
 from reprotune.run_settings import Settings
 from reprotune.sizing.draws import run_keys
 from reprotune.sizing.shape import DataShape, Shape
@@ -153,10 +153,10 @@ def tokens_per_second(shape: Shape, s: Settings, data: DataShape | None, gpu: st
     return tps, how
 
 
-def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig) -> dict[str, Any]:
+def steps_and_tokens(s: Settings, data: DataShape | None, cfg: DictConfig, obj: Objective) -> dict[str, Any]:
     if data is None:
         return {}
-    if s.packing and not objective(cfg).preference:
+    if s.packing and not obj.preference:
         batches = math.ceil(math.ceil(data.total_tokens / s.max_length) / s.batch_size)
     else:
         batches = math.ceil(data.examples / s.batch_size)
