@@ -37,6 +37,17 @@ def test_every_preset_composes(model: str, method: str, hardware: str) -> None:
         assert cfg.method.use_dora is True
 
 
+@pytest.mark.parametrize("model", ["smollm2_135m", "gemma3_270m"])
+def test_builtin_models_export_the_quant_their_ladder_gates(model: str) -> None:
+    """Both built-in models' default make gguf picks its quant by the parity gate (export.quant=auto over the
+    ladder, docs/export.md) on at least 32 holdout prompts: Gemma 3's preset once pinned [Q8_0] and gated on 4."""
+    cfg = compose([f"model={model}"])
+    assert cfg.export.quant == "auto"
+    assert list(cfg.export.ladder) == ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+    assert cfg.export.parity.examples == "all" or cfg.export.parity.examples >= 32
+    assert cfg.export.imatrix.enabled is True
+
+
 def test_overrides_land() -> None:
     cfg = compose(["method=qlora", "train.max_steps=20", "train.learning_rate=1e-4"])
     assert cfg.train.max_steps == 20

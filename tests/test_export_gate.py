@@ -101,6 +101,33 @@ def test_auto_ladder_none_passing_and_serve_refusal(exported: tuple[Path, list[s
     assert model.model == str(out / "model-Q8_0.gguf")
 
 
+def test_auto_ships_and_serves_the_first_rung_that_passes(exported: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """export.quant=auto with a gate the smallest rung passes: the ladder stops there (the larger rung is neither
+    made nor tried), that quant ships, the Modelfile and make serve use it without export.serve.allow_failed, and
+    gguf_metrics.json marks it served."""
+    from reprotune.gguf import gguf
+    from reprotune.serve import llama_cpp_settings
+
+    root, overrides = exported
+    for part in ("data/prepared", "outputs/merged"):
+        shutil.copytree(root / part, tmp_path / part)
+    args = [*overrides, f"paths.root={tmp_path}", "export.quant=auto", "export.ladder=[Q4_K_M,Q8_0]",
+            "export.parity.min_exact_match=0", "export.parity.min_token_agreement=0",
+            "export.parity.max_task_metric_drop=1"]
+    gguf(compose(args))
+    report = report_of(tmp_path)
+    assert [r["quant"] for r in report["ladder"]] == ["Q4_K_M"] and report["ladder"][0]["passed"]
+    assert report["chosen_quant"] == "Q4_K_M" and report["serve_quant"] == "Q4_K_M"
+    assert report["modelfile"]["from"] == "model-Q4_K_M.gguf"
+    out = tmp_path / "outputs/gguf"
+    assert not (out / "model-Q8_0.gguf").exists() and "Q8_0" not in report["gate"]
+    assert "FROM ./model-Q4_K_M.gguf" in (out / "Modelfile").read_text()
+    metrics = json.loads((tmp_path / "outputs/export/gguf_metrics.json").read_text())
+    assert metrics["Q4_K_M"]["served"] == 1
+    _, model = llama_cpp_settings(compose([f"paths.root={tmp_path}"]))
+    assert model.model == str(out / "model-Q4_K_M.gguf")
+
+
 def test_tensor_types_are_checked_one_line_each() -> None:
     """export.tensor_types: PATTERN=TYPE as llama-quantize's --tensor-type takes it; a malformed entry, a bad regex
     or an unknown type is one line naming the setting and the entry."""
