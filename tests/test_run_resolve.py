@@ -194,6 +194,8 @@ def test_the_run_is_frozen_and_bad_values_are_one_line() -> None:
         resolve(compose(["hardware=cpu", "eval.batch_size=0"]), "eval")
     with pytest.raises(ReprotuneError, match=r"^paths.nowhere: not in the config of this train run$"):
         run.path("nowhere")
+    # a path set to null is not configured (publish then checks no SFT record), never the string 'None'
+    assert "sft_train_dir" not in resolve(compose(["objective=dpo", "paths.sft_train_dir=null"]), "publish").paths
     with pytest.raises(ReprotuneError, match=r"^resolve: unknown stage 'evaluate'"):
         resolve(compose([]), "evaluate")
 

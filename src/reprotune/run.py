@@ -88,8 +88,9 @@ def _device(cfg: Any) -> str:
 
 
 def _plain(cfg: Any, stage: str) -> Run:
-    """The objective and the paths: every stage's."""
-    paths = {str(k): str(v) for k, v in cfg.paths.items()} if cfg.get("paths") is not None else {}
+    """The objective and the paths: every stage's (a path set to null is left out, as if not configured)."""
+    paths = ({str(k): str(v) for k, v in cfg.paths.items() if v is not None} if cfg.get("paths") is not None
+             else {})
     return Run(stage=stage, objective=objective_of(cfg), paths=MappingProxyType(paths))
 
 
