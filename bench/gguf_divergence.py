@@ -222,10 +222,10 @@ def context(overrides: list[str]) -> dict[str, Any]:
     from reprotune.run import resolve
 
     cfg = compose(overrides)
-    obj = resolve(cfg, "gguf").objective
-    merged, out_dir = Path(cfg.paths.merged), Path(cfg.paths.gguf)
+    run = resolve(cfg, "gguf")
+    merged, out_dir = run.path("merged"), run.path("gguf")
     tokenizer = load_tokenizer(merged)
-    prompts = gp.holdout_prompts(cfg, obj)
+    prompts = gp.holdout_prompts(run)
     prompts = prompts[: gp.greedy_subset(cfg, len(prompts))]
     ids = [gp.hf_prompt_ids(tokenizer, p) for p in prompts]
     max_new = int(cfg.export.parity.max_new_tokens)
@@ -234,7 +234,7 @@ def context(overrides: list[str]) -> dict[str, Any]:
     eog = gb.check_loads_cleanly(f16, gb.accepted_control_tokens(cfg.model, tokenizer))["eog_ids"]
     cache = Path(os.environ["HF_CACHE"]) if os.environ.get("HF_CACHE") else None
     ref = hf_reference(merged, ids, max_new, eog, cache)
-    task_cfg, refs = gp.task_references(cfg, obj, len(prompts))
+    task_cfg, refs = gp.task_references(cfg, run, len(prompts))
     primary = mx.primary_metric(task_cfg) if task_cfg else None
     hf_task = (gq.task_scores([tokenizer.decode(o) for o in ref["answers"]], refs, task_cfg)[primary]
                if task_cfg else None)
@@ -264,7 +264,7 @@ def base_files(cfg: Any, src: Path, tokenizer: Any, out_dir: Path, n: int) -> tu
         gb.convert(src, Path(cfg.paths.merged), f16, str(cfg.export.outtype), str(cfg.export.name))
     t1 = time.time()
     if not imatrix.is_file():
-        g.make_imatrix(cfg, resolve(cfg, "gguf").objective, src, tokenizer, f16, base, n)
+        g.make_imatrix(cfg, resolve(cfg, "gguf"), src, tokenizer, f16, base, n)
     print(f"base files in {base} (convert {t1 - t0:.0f} s, imatrix {time.time() - t1:.0f} s)", flush=True)
     return f16, imatrix
 

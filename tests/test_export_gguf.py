@@ -163,7 +163,7 @@ def test_chat_template_drift_is_a_hard_failure(exported: tuple[Path, list[str]])
     root, overrides = exported
     tokenizer = AutoTokenizer.from_pretrained(root / "outputs/merged")
     cfg = compose(overrides)
-    prompts = prompts_of(read_holdout(cfg, resolve(cfg, "merge").objective))[:2]
+    prompts = prompts_of(read_holdout(resolve(cfg, "merge")))[:2]
     vocab = load_vocab(root / "outputs/gguf/model-Q4_K_M.gguf")
     assert len(check_template_and_tokens(vocab, tokenizer, prompts, "q4")) == 2
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>assistant\n", "<|im_start|>assistant ")

@@ -95,7 +95,7 @@ def test_merge_pref_merges_the_preference_adapter_with_parity(exported: dict) ->
     # further), not base + the SFT adapter it started from, nor the two stacked
     cfg = compose(exported["over"])
     tokenizer = load_tokenizer(out)
-    batches = parity_batches(tokenizer, read_holdout(cfg, resolve(cfg, "merge").objective)[:3])
+    batches = parity_batches(tokenizer, read_holdout(resolve(cfg, "merge"))[:3])
     model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
     torch.manual_seed(0)
     merged = logits_of(load_float32(out), batches)

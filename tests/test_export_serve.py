@@ -71,7 +71,7 @@ def test_chat_completion_equals_parity_greedy_output(server) -> None:
     root, overrides, port, _ = server
     report = json.loads((root / "outputs/gguf/parity.json").read_text())
     cfg = compose(overrides)
-    messages = prompts_of(read_holdout(cfg, resolve(cfg, "merge").objective))[0]
+    messages = prompts_of(read_holdout(resolve(cfg, "merge")))[0]
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local")
     reply = client.chat.completions.create(
         model="reprotune-invoices", messages=messages, temperature=0.0, max_tokens=report["max_new_tokens"],

@@ -13,6 +13,7 @@ import pytest
 from reprotune.config import compose
 from reprotune.errors import ReprotuneError
 from reprotune.preference.formats import read_preference_data
+from reprotune.run import resolve
 from reprotune.sizing.decide import Hardware, card, decide
 from reprotune.sizing.shape import DataShape
 
@@ -480,8 +481,8 @@ def tiny_peft(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     from reprotune.evaluation.generation import load_model_and_tokenizer
 
     root = tiny_adapter_run(tmp_path_factory)
-    model, tokenizer, _ = load_model_and_tokenizer(compose(["model=tiny_random", f"paths.root={root}"]), "cpu",
-                                                   "float32")
+    cfg = compose(["model=tiny_random", f"paths.root={root}", "hardware=cpu"])
+    model, tokenizer, _ = load_model_and_tokenizer(cfg, resolve(cfg, "eval"))  # on the CPU in float32
     return model, tokenizer
 
 

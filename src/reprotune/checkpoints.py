@@ -22,17 +22,19 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune import distributed
+from reprotune.run import Run
 
 log = logging.getLogger("reprotune.train")
 CHECKPOINT_SEAL = "reprotune-sealed.json"
 RUN_STAMP = "reprotune-run.json"
 
 
-def config_fingerprint(cfg: DictConfig) -> str:
-    """What a checkpoint must match to be resumed: everything that shapes training (not paths)."""
+def config_fingerprint(cfg: DictConfig, run: Run) -> str:
+    """What a checkpoint must match to be resumed: everything that shapes training (not paths; the repro mode is
+    the stage Run's)."""
     keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "method", "data", "train")}
     keep["seed"] = cfg.seed
-    keep["repro"] = cfg.repro
+    keep["repro"] = run.repro
     if cfg.get("objective") and cfg.objective.name != "sft":  # SFT's fingerprint as before the objective group
         keep["objective"] = OmegaConf.to_container(cfg.objective, resolve=True)
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
@@ -112,10 +114,10 @@ def sealing_trainer_class(base: type) -> type:
     return SealedCheckpointTrainer
 
 
-def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True) -> str | None:
+def checkpoint_to_resume(cfg: DictConfig, run: Run, fingerprint: str, modify: bool = True) -> str | None:
     """The last sealed checkpoint of this same configuration, or None (stale or torn ones are removed, by the
     process that may modify the folder: rank 0 when several train together)."""
-    ckpt_root = Path(cfg.paths.checkpoints)
+    ckpt_root = run.path("checkpoints")
     stamp = ckpt_root / RUN_STAMP
     if cfg.train.run.resume == "never" or not ckpt_root.is_dir():
         if modify:
@@ -134,17 +136,17 @@ def checkpoint_to_resume(cfg: DictConfig, fingerprint: str, modify: bool = True)
     return None
 
 
-def prepare_resume(cfg: DictConfig, world: distributed.World) -> str | None:
+def prepare_resume(cfg: DictConfig, run: Run, world: distributed.World) -> str | None:
     """The checkpoint to resume from (None: start afresh), after rank 0 has removed stale or torn ones and stamped
     the folder with this configuration's fingerprint."""
     from reprotune.manifest import write_json
 
-    fingerprint = config_fingerprint(cfg)
+    fingerprint = config_fingerprint(cfg, run)
     with distributed.main_process_first():
-        resume_from = checkpoint_to_resume(cfg, fingerprint, modify=world.is_main)
+        resume_from = checkpoint_to_resume(cfg, run, fingerprint, modify=world.is_main)
         if world.is_main:
-            Path(cfg.paths.checkpoints).mkdir(parents=True, exist_ok=True)
-            write_json(Path(cfg.paths.checkpoints) / RUN_STAMP, {"fingerprint": fingerprint})
+            run.path("checkpoints").mkdir(parents=True, exist_ok=True)
+            write_json(run.path("checkpoints") / RUN_STAMP, {"fingerprint": fingerprint})
     return resume_from
 
 

@@ -59,16 +59,18 @@ def read_inputs(cfg: DictConfig, obj: Objective, holdout: Path) -> tuple[list[di
 
 
 # ----------------------------------------------------------------------------------------------- passes
-def run_systems(cfg: DictConfig, examples: list[Example], rows: list[dict], device: str, dtype: str,
-                batch_size: int) -> tuple[dict[str, SystemRun], str, tuple[dict[str, Any], list[dict]] | None]:
+def run_systems(cfg: DictConfig, resolved: Run, examples: list[Example], rows: list[dict]
+                ) -> tuple[dict[str, SystemRun], str, tuple[dict[str, Any], list[dict]] | None]:
     """Every system's task pass (the prompt baseline, base, the SFT start adapter, tuned), in SYSTEMS order, and
-    a preference run's pairs' pass. Returns (runs, the base model's directory, the pairs' pass or None)."""
+    a preference run's pairs' pass, on the Run's device with its batch size. Returns (runs, the base model's
+    directory, the pairs' pass or None)."""
     import torch
 
+    device, batch_size = str(resolved.device), int(resolved.eval_batch_size or 1)
     runs: dict[str, SystemRun] = {}
     if cfg.eval.baseline.url and examples:  # first: a wrong URL or key fails in seconds, before the local passes
         runs["baseline"] = run_baseline(cfg, examples)
-    model, tokenizer, model_dir = load_model_and_tokenizer(cfg, device, dtype)
+    model, tokenizer, model_dir = load_model_and_tokenizer(cfg, resolved)
     with_sft = load_start_adapter(cfg, model)
     model.eval()
     if device == "cuda":
@@ -97,17 +99,17 @@ def timing_record(started: float, runs: dict[str, SystemRun], n_examples: int, d
             if device == "cuda" else None}
 
 
-def eval_record(cfg: DictConfig, holdout: Path, n_examples: int, model_dir: str, runs: dict[str, SystemRun],
+def eval_record(cfg: DictConfig, resolved: Run, holdout: Path, n_examples: int, model_dir: str, runs: dict[str, SystemRun],
                 note: str | None, settings: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
     """outputs/eval/manifest.json: provenance, the run's settings (device, dtype, batch size), inputs, timings."""
     from reprotune import manifest as mf
 
-    out_dir, root = Path(cfg.paths.eval_dir), Path(cfg.paths.root)
-    return mf.stage_record("eval", cfg, out_dir / "manifest.json", **{
-        "seeds": mf.seeds_record(cfg),
+    out_dir, root = resolved.path("eval_dir"), resolved.path("root")
+    return mf.stage_record("eval", cfg, out_dir / "manifest.json", root, **{
+        "seeds": mf.seeds_record(cfg, resolved),
         **settings,
         "inputs": {"holdout": {**mf.path_record(holdout, root), "examples": n_examples},
-                   "adapter": mf.path_record(Path(cfg.paths.adapter), root),
+                   "adapter": mf.path_record(resolved.path("adapter"), root),
                    "base_model": mf.base_model_record(model_dir)},
         "baseline": {"url": cfg.eval.baseline.url, "model": cfg.eval.baseline.model} if "baseline" in runs else None,
         **({"task_pass": note} if note else {}),
@@ -124,12 +126,12 @@ def evaluate(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     device, dtype, batch_size = str(resolved.device), str(resolved.dtype), int(resolved.eval_batch_size or 1)
     set_reproducibility(cfg, resolved)
 
-    holdout = Path(cfg.paths.prepared) / "holdout.jsonl"
+    holdout = resolved.path("prepared") / "holdout.jsonl"
     rows, examples = read_inputs(cfg, resolved.objective, holdout)
-    task = settle_task(cfg, examples)  # data.task.type auto, eval.max_new_tokens auto: from the data
+    task = settle_task(cfg, resolved, examples)  # data.task.type auto, eval.max_new_tokens auto: from the data
     log.info("eval: %d holdout examples, device=%s dtype=%s batch_size=%d", len(examples), device, dtype,
              batch_size)
-    runs, model_dir, preference = run_systems(cfg, examples, rows, device, dtype, batch_size)
+    runs, model_dir, preference = run_systems(cfg, resolved, examples, rows)
 
     names = mx.metric_names(task)
     primary = mx.primary_metric(task)
@@ -138,11 +140,11 @@ def evaluate(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     if preference:  # the pairs' metrics next to the task's; each example's log-probabilities with it
         records = add_preference(metrics, records, examples, preference)
 
-    out_dir = Path(cfg.paths.eval_dir)
-    record = eval_record(cfg, holdout, len(examples), model_dir, runs, note,
+    out_dir = resolved.path("eval_dir")
+    record = eval_record(cfg, resolved, holdout, len(examples), model_dir, runs, note,
                          {"device": device, "dtype": dtype, "batch_size": batch_size},
                          timing_record(started, runs, len(examples), device))
-    table = write_outputs(out_dir, Path(cfg.paths.root), cfg, metrics, records, names, primary, record, note)
+    table = write_outputs(out_dir, resolved.path("root"), cfg, metrics, records, names, primary, record, note)
     print(f"\n{table}\n\nreport: {out_dir / 'report.md'}   predictions: {out_dir / 'predictions.jsonl'}")
     log.info("eval done in %.1fs (%s)", record["timing"]["wall_seconds"],
              ", ".join(f"{s} {run.seconds:.1f}s" for s, run in runs.items()) or "preference metrics only")

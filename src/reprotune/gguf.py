@@ -48,7 +48,6 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
 from reprotune.io import fresh_dir, read_conversations, swap_dir
 from reprotune.models import load_tokenizer
-from reprotune.objectives import Objective
 from reprotune.preference.pair_eval import export_conversations
 from reprotune.run import Run, resolve
 
@@ -86,7 +85,7 @@ class Export:
     """What the steps of one make gguf share: the settings read once, the scratch folder, the timings."""
 
     cfg: DictConfig
-    objective: Objective           # the stage's (reprotune.run.Run.objective)
+    resolved: Run                  # the stage's (reprotune.run.Run): its objective and paths
     src: Path
     merged: Path
     quants: list[str]
@@ -120,7 +119,7 @@ def gguf(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
 
     kernels.route_matmul_as_pinned()
     started = time.time()
-    run = start(cfg, (resolved if resolved is not None else resolve(cfg, "gguf")).objective)
+    run = start(cfg, resolved if resolved is not None else resolve(cfg, "gguf"))
     make_base_file(run)                                  # 1. convert; llama.cpp loads it cleanly and stops
     imatrix = imatrix_step(run)                          # 2. the importance matrix of the training data
     report, check = reference_answers(run, imatrix)      # 2. the merged HF model's greedy answers
@@ -129,15 +128,15 @@ def gguf(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     write_modelfile(run, report, files[serve_quant])     # 4. Ollama's Modelfile for the served file
     write_parity(run.tmp / "parity.json", report)
     swap_dir(run.tmp, run.final)
-    write_metrics(Path(cfg.paths.export_dir), report, serve_quant)
+    write_metrics(run.resolved.path("export_dir"), report, serve_quant)
     record = write_manifest(run, report, files, imatrix, started)
     print_summary(report, files, run.timing)
     return record
 
 
-def start(cfg: DictConfig, obj: Objective) -> Export:
+def start(cfg: DictConfig, resolved: Run) -> Export:
     """The settings, checked (each bad one is one line), the tokenizer and prompts, a fresh scratch folder."""
-    merged = Path(cfg.paths.merged)  # a preference run's: outputs/pref/merged (conf/objective/paths/preference.yaml)
+    obj, merged = resolved.objective, resolved.path("merged")  # a preference run's: outputs/pref/merged (conf/objective/paths/preference.yaml)
     if not (merged / "config.json").is_file():
         how = f"make merge{obj.make_args}"
         raise ReprotuneError(f"gguf: {merged}/config.json not found; run '{how}' first")
@@ -150,9 +149,9 @@ def start(cfg: DictConfig, obj: Objective) -> Export:
     if outtype not in OUTTYPE_NAME:
         raise ReprotuneError(f"gguf: export.outtype must be one of {', '.join(OUTTYPE_NAME)}, not {outtype!r}")
     tokenizer = load_tokenizer(merged)
-    prompts = gp.holdout_prompts(cfg, obj)
-    final = Path(cfg.paths.gguf)
-    return Export(cfg=cfg, objective=obj, src=src, merged=merged, quants=quants, tensor_types=tensor_types, auto=auto,
+    prompts = gp.holdout_prompts(resolved)
+    final = resolved.path("gguf")
+    return Export(cfg=cfg, resolved=resolved, src=src, merged=merged, quants=quants, tensor_types=tensor_types, auto=auto,
                n_threads=n_threads, base=OUTTYPE_NAME[outtype], tokenizer=tokenizer, prompts=prompts,
                final=final, tmp=fresh_dir(final))
 
@@ -174,7 +173,7 @@ def imatrix_step(run: Export) -> dict[str, Any] | None:
     if not cfg.export.imatrix.enabled:
         return None
     with timed(run.timing, "imatrix_seconds"):
-        return make_imatrix(cfg, run.objective, run.src, run.tokenizer, run.tmp / run.base_name, run.tmp,
+        return make_imatrix(cfg, run.resolved, run.src, run.tokenizer, run.tmp / run.base_name, run.tmp,
                             run.n_threads)
 
 
@@ -187,7 +186,7 @@ def reference_answers(run: Export, imatrix: dict[str, Any] | None) -> tuple[dict
         prompt_ids = [gp.hf_prompt_ids(run.tokenizer, p) for p in greedy_prompts]
         hf_out = gp.greedy_hf(run.merged, prompt_ids, max_new, run.eog)
     hf_text = [run.tokenizer.decode(o) for o in hf_out]
-    task_cfg, references = gp.task_references(cfg, run.objective, len(greedy_prompts))
+    task_cfg, references = gp.task_references(cfg, run.resolved, len(greedy_prompts))
     report = new_report(run, imatrix, len(greedy_prompts), max_new, hf_text)
     primary = None
     if task_cfg is not None:
@@ -296,7 +295,7 @@ def write_modelfile(run: Export, report: dict[str, Any], serve_name: str) -> Non
     else:
         pieces = mfile.probe(run.tokenizer)
         template = mfile.go_template(pieces)
-        system = (mfile.training_system_prompt(Path(cfg.paths.prepared) / "train.jsonl")
+        system = (mfile.training_system_prompt(run.resolved.path("prepared") / "train.jsonl")
                   if cfg.export.ollama.system_from_data else None)
         stops = mfile.stop_tokens(run.tokenizer, pieces, gen_eos_ids)
     (run.tmp / "Modelfile").write_text(mfile.render_modelfile(serve_name, template, stops, system))
@@ -331,10 +330,10 @@ def write_manifest(run: Export, report: dict[str, Any], files: dict[str, str], i
     from reprotune import manifest as mf
 
     cfg = run.cfg
-    root, final = Path(cfg.paths.root), run.final
-    prepared = Path(cfg.paths.prepared)
-    manifest_path = Path(cfg.paths.export_dir) / "gguf_manifest.json"
-    record = mf.stage_record("gguf", cfg, manifest_path, **{
+    root, final = run.resolved.path("root"), run.final
+    prepared = run.resolved.path("prepared")
+    manifest_path = run.resolved.path("export_dir") / "gguf_manifest.json"
+    record = mf.stage_record("gguf", cfg, manifest_path, root, **{
         "seeds": {"seed": int(cfg.seed)},
         "llama_cpp": llama_cpp_record(run.src, imatrix is not None),
         "inputs": {"merged": mf.path_record(run.merged, root),
@@ -365,7 +364,7 @@ def llama_cpp_record(src: Path, with_tools: bool) -> dict[str, Any]:
                if with_tools else {})}
 
 
-def make_imatrix(cfg: DictConfig, obj: Objective, src: Path, tokenizer: Any, f16: Path, out_dir: Path,
+def make_imatrix(cfg: DictConfig, resolved: Run, src: Path, tokenizer: Any, f16: Path, out_dir: Path,
                  n_threads: int) -> dict[str, Any]:
     """llama-imatrix on the training split (prompts and answers, export.imatrix.max_tokens of them) into
     out_dir/imatrix.gguf; what it read is hashed (the text itself stays out of the outputs)."""
@@ -373,8 +372,8 @@ def make_imatrix(cfg: DictConfig, obj: Objective, src: Path, tokenizer: Any, f16
     import shutil
 
     max_tokens, chunk = gq.imatrix_settings(cfg.export.imatrix)
-    train_path = Path(cfg.paths.prepared) / "train.jsonl"
-    conversations = (export_conversations(train_path) if obj.preference
+    train_path = resolved.path("prepared") / "train.jsonl"
+    conversations = (export_conversations(train_path) if resolved.objective.preference
                      else read_conversations(train_path, "run 'make prepare' first"))
     text, tokens, used = gq.calibration_text(conversations, tokenizer, max_tokens)
     if tokens < 2 * chunk:  # llama-imatrix needs two chunks: a small train split gets smaller chunks
@@ -390,7 +389,7 @@ def make_imatrix(cfg: DictConfig, obj: Objective, src: Path, tokenizer: Any, f16
         shutil.rmtree(work, ignore_errors=True)
     return {**info, "tokens": tokens, "conversations": used, "max_tokens": max_tokens,
             # relative to paths.root: parity.json must be the same bytes wherever the run is (make verify)
-            "data": {"source": os.path.relpath(train_path, cfg.paths.root),
+            "data": {"source": os.path.relpath(train_path, resolved.paths["root"]),
                      "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}}
 
 

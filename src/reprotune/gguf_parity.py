@@ -21,20 +21,20 @@ from reprotune.errors import ReprotuneError
 from reprotune.gguf_build import load_vocab
 from reprotune.io import read_conversations
 from reprotune.models import load_float32
-from reprotune.objectives import Objective
 from reprotune.preference.pair_eval import export_conversations, read_pairs
+from reprotune.run import Run
 
 Prompt = list[dict] | str  # a chat prompt (messages) or, from text (standard) preference pairs, a text prompt
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def holdout_prompts(cfg: DictConfig, obj: Objective) -> list[Prompt]:
+def holdout_prompts(run: Run) -> list[Prompt]:
     """The holdout prompts the parity checks answer, in file order: each conversation up to its last assistant
     answer (a preference holdout's rows as prompt + chosen answer, cut the same way). Text (standard) preference
     pairs give their text prompts: that model was trained on raw text, with no chat template, and is asked the
-    same way (llama.cpp's completion, Ollama's raw prompt)."""
-    path = Path(cfg.paths.prepared) / "holdout.jsonl"
-    if not obj.preference:
+    same way (llama.cpp's completion, Ollama's raw prompt). run: the stage's (its objective, paths.prepared)."""
+    path = run.path("prepared") / "holdout.jsonl"
+    if not run.objective.preference:
         return prompts_of(read_conversations(path, "run 'make prepare' first"))
     conversations = export_conversations(path)
     if isinstance(conversations[0], str):
@@ -182,20 +182,20 @@ def compare_greedy(reference: list[list[int]], candidate: list[list[int]]) -> di
 
 
 # ------------------------------------------------------------------------------------------- task metric
-def task_references(cfg: DictConfig, obj: Objective, n: int) -> tuple[dict | None, list[str]]:
+def task_references(cfg: DictConfig, run: Run, n: int) -> tuple[dict | None, list[str]]:
     """data.task and the reference answers of the first n holdout conversations (their last assistant message),
     for the task metric of the gate; a preference holdout has none here (the gate is then parity alone)."""
     from omegaconf import OmegaConf
 
-    if obj.preference or not cfg.data.get("task"):
+    if run.objective.preference or not cfg.data.get("task"):
         return None, []
     from reprotune import metrics as mx
 
-    conversations = read_conversations(Path(cfg.paths.prepared) / "holdout.jsonl", "run 'make prepare' first")
+    conversations = read_conversations(run.path("prepared") / "holdout.jsonl", "run 'make prepare' first")
     refs = [next(m["content"] for m in reversed(conv) if m["role"] == "assistant") for conv in conversations]
     # resolved as eval resolves it (the whole holdout's answers decide an auto type): the gate scores eval's metric
     task = mx.run_task(OmegaConf.to_container(cfg.data.task, resolve=True), refs, str(cfg.data.path),
-                       str(cfg.paths.raw))
+                       run.paths["raw"])
     return task, refs[:n]
 
 

@@ -17,9 +17,12 @@ import sys
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reprotune.io import atomic_write_text
+
+if TYPE_CHECKING:
+    from reprotune.run import Run
 
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY",
                    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REPROTUNE_BASELINE_API_KEY")
@@ -260,10 +263,10 @@ def base_model_record(model_dir: str, files: bool = True) -> dict[str, Any]:
     return record if files else {k: record[k] for k in ("path", "sha256")}
 
 
-def seeds_record(cfg: Any, data_seed: bool = False) -> dict[str, Any]:
-    """What a stage's randomness and kernels follow: the seed and the repro mode (with `data_seed`, the seed the
-    Trainer shuffles the data with, which reprotune ties to the seed)."""
-    return {"seed": int(cfg.seed), **({"data_seed": int(cfg.seed)} if data_seed else {}), "repro": str(cfg.repro)}
+def seeds_record(cfg: Any, run: Run, data_seed: bool = False) -> dict[str, Any]:
+    """What a stage's randomness and kernels follow: the seed and the stage Run's repro mode (with `data_seed`, the
+    seed the Trainer shuffles the data with, which reprotune ties to the seed)."""
+    return {"seed": int(cfg.seed), **({"data_seed": int(cfg.seed)} if data_seed else {}), "repro": str(run.repro)}
 
 
 def base_manifest(stage: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -280,13 +283,14 @@ def base_manifest(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stage_record(stage: str, cfg: Any, manifest_path: Path, **sections: Any) -> dict[str, Any]:
+def stage_record(stage: str, cfg: Any, manifest_path: Path, root: Path, **sections: Any) -> dict[str, Any]:
     """Every stage's manifest: the provenance of base_manifest (the whole config, git, code, lock, packages,
-    runtime, hardware), where the manifest lives (relative to paths.root), and the stage's own sections."""
+    runtime, hardware), where the manifest lives (relative to `root`, the Run's paths.root), and the stage's own
+    sections."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-    return {**base_manifest(stage, config), "manifest_path": os.path.relpath(manifest_path, Path(cfg.paths.root)),
+    return {**base_manifest(stage, config), "manifest_path": os.path.relpath(manifest_path, root),
             **sections}
 
 

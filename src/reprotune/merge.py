@@ -38,7 +38,6 @@ from reprotune.config import CONF_DIR, quantization
 from reprotune.errors import ReprotuneError, needs_bytes, tensor_bytes, user_errors
 from reprotune.io import read_conversations, swap_dir, tmp_path
 from reprotune.models import load_float32, load_tokenizer, resolve_model_dir, save_tokenizer
-from reprotune.objectives import Objective
 from reprotune.preference.pair_eval import export_conversations
 from reprotune.run import Run, resolve
 
@@ -46,11 +45,11 @@ log = logging.getLogger("reprotune.merge")
 
 
 # ------------------------------------------------------------------------------------------------ inputs
-def read_holdout(cfg: DictConfig, obj: Objective) -> list[list[dict[str, str]]] | list[str]:
-    """Holdout conversations (lists of messages), in file order; a preference holdout's rows as prompt + chosen
-    answer (text rows: their text)."""
-    path = Path(cfg.paths.prepared) / "holdout.jsonl"
-    if obj.preference:
+def read_holdout(run: Run) -> list[list[dict[str, str]]] | list[str]:
+    """Holdout conversations (lists of messages) of the Run's paths.prepared, in file order; a preference holdout's
+    rows as prompt + chosen answer (text rows: their text)."""
+    path = run.path("prepared") / "holdout.jsonl"
+    if run.objective.preference:
         return export_conversations(path)
     return read_conversations(path, "run 'make prepare' first")
 
@@ -175,19 +174,19 @@ def check_saved(cfg: DictConfig, tmp: Path, reference: Any, batches: list, dtype
     return parity
 
 
-def merge_record(cfg: DictConfig, adapter_dir: Path, model_dir: str, parity: dict[str, Any],
+def merge_record(cfg: DictConfig, resolved: Run, adapter_dir: Path, model_dir: str, parity: dict[str, Any],
                  timing: dict[str, float]) -> dict[str, Any]:
     """outputs/export/merge_manifest.json: provenance, inputs and output by sha256, parity, timings."""
     from reprotune import manifest as mf
 
-    root = Path(cfg.paths.root)
-    manifest_path = Path(cfg.paths.export_dir) / "merge_manifest.json"
-    record = mf.stage_record("merge", cfg, manifest_path, **{
-        "seeds": mf.seeds_record(cfg),
+    root = resolved.path("root")
+    manifest_path = resolved.path("export_dir") / "merge_manifest.json"
+    record = mf.stage_record("merge", cfg, manifest_path, root, **{
+        "seeds": mf.seeds_record(cfg, resolved),
         "inputs": {"adapter": mf.path_record(adapter_dir, root),
-                   "holdout": mf.path_record(Path(cfg.paths.prepared) / "holdout.jsonl", root),
+                   "holdout": mf.path_record(resolved.path("prepared") / "holdout.jsonl", root),
                    "base_model": mf.base_model_record(model_dir, files=False)},
-        "outputs": {"merged": mf.path_record(Path(cfg.paths.merged), root)},
+        "outputs": {"merged": mf.path_record(resolved.path("merged"), root)},
         "parity": parity,
         "timing": timing,
     })
@@ -205,11 +204,11 @@ def merge(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     kernels.route_matmul_as_pinned()
 
     started = time.time()
-    obj = (resolved if resolved is not None else resolve(cfg, "merge")).objective
-    adapter_dir = Path(cfg.paths.adapter)
-    check_adapter(adapter_dir, cfg.model, f"make train{obj.make_args}")
-    conversations = read_holdout(cfg, obj)[: int(cfg.export.merge.prompts)]
-    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    resolved = resolved if resolved is not None else resolve(cfg, "merge")
+    adapter_dir = resolved.path("adapter")
+    check_adapter(adapter_dir, cfg.model, f"make train{resolved.objective.make_args}")
+    conversations = read_holdout(resolved)[: int(cfg.export.merge.prompts)]
+    model_dir = resolve_model_dir(cfg.model, resolved.paths["model_cache"])
     dtype = save_dtype(cfg, model_dir)
     torch.manual_seed(int(cfg.seed))
 
@@ -220,7 +219,7 @@ def merge(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     merged, reference, adapter_effect, fp32 = merge_in_float32(cfg, model_dir, adapter_dir, batches)
     merge_seconds = time.time() - t0
 
-    final = Path(cfg.paths.merged)
+    final = resolved.path("merged")
     tmp = tmp_path(final)
     t0 = time.time()
     save_merged(merged, tokenizer, dtype, tmp)
@@ -229,7 +228,7 @@ def merge(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     parity = check_saved(cfg, tmp, reference, batches, dtype, len(conversations), adapter_effect, fp32)
     swap_dir(tmp, final)
 
-    record = merge_record(cfg, adapter_dir, model_dir, parity, {
+    record = merge_record(cfg, resolved, adapter_dir, model_dir, parity, {
         "merge_seconds": round(merge_seconds, 2), "save_seconds": round(save_seconds, 2),
         "wall_seconds": round(time.time() - started, 2)})
     saved = parity["saved"]

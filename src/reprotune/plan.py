@@ -15,7 +15,6 @@ docstring lists them; docs/plan.md explains them).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -37,7 +36,7 @@ def main(cfg: DictConfig) -> None:
             print(f"plan: {err}", file=sys.stderr)
             sys.exit(2)
         print(format_plan(plan))
-        print(f"wrote {write_plan(plan, Path(cfg.paths.outputs) / 'plan.json')}")
+        print(f"wrote {write_plan(plan, run.path('outputs') / 'plan.json')}")
 
 
 if __name__ == "__main__":

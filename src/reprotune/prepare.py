@@ -233,12 +233,13 @@ def example_line(messages: list[dict], tools: list | None = None) -> bytes:
 # --- the stage -----------------------------------------------------------------------------------------------
 
 
-def write_manifest(cfg: DictConfig, out: Path, raw: Path) -> None:
-    """Inputs and outputs with their hashes, so 'make verify' can re-run and compare this stage."""
+def write_manifest(cfg: DictConfig, run: Run, out: Path, raw: Path) -> None:
+    """Inputs and outputs with their hashes (relative to the Run's paths.root), so 'make verify' can re-run and
+    compare this stage."""
     from reprotune import manifest as mf
 
-    root = Path(cfg.paths.root)
-    record = mf.stage_record("prepare", cfg, out / "manifest.json", **{
+    root = run.path("root")
+    record = mf.stage_record("prepare", cfg, out / "manifest.json", root, **{
         "inputs": {"raw_data": mf.path_record(raw, root)},
         "outputs": {name: mf.path_record(out / file, root) for name, file in
                     (("train", "train.jsonl"), ("holdout", "holdout.jsonl"), ("report", "report.json"),
@@ -248,10 +249,10 @@ def write_manifest(cfg: DictConfig, out: Path, raw: Path) -> None:
     mf.write_json(out / "manifest.json", record)
 
 
-def read_into_spool(cfg: DictConfig, root: Path, work: Path) -> tuple[list, Intake, list[dict], Counter]:
+def read_into_spool(cfg: DictConfig, run: Run, work: Path) -> tuple[list, Intake, list[dict], Counter]:
     """Every file of data.path read, validated and kept in a spool once (duplicates dropped); (files, intake,
     rejected records, extra keys dropped)."""
-    data, out = cfg.data, Path(cfg.paths.prepared)
+    data, out, root = cfg.data, run.path("prepared"), run.path("root")
     intake = Intake(Spool(work / "read.jsonl"), float(data.holdout_fraction))
     files = read_dataset(Path(data.path), str(data.format), str(data.get("extra_keys", "drop")),
                          str(data.get("on_invalid", "error")), sink=intake)
@@ -335,10 +336,10 @@ class Split:
         return spool.row(self.position[index])["messages"]
 
 
-def measure_and_split(cfg: DictConfig, examples: Spool, intake: Intake, work: Path) -> Split:
+def measure_and_split(cfg: DictConfig, run: Run, examples: Spool, intake: Intake, work: Path) -> Split:
     """Token lengths and the length policy, a batch at a time; the kept examples written to their split."""
     data = cfg.data
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg, run)
     check_templates(cfg, tokenizer, intake.needs)
     split = Split(work, intake.holdout)
     for batch in batches(examples):
@@ -358,14 +359,14 @@ def prepare(cfg: DictConfig, resolved: Run | None = None) -> dict:
     """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "prepare"))."""
     resolved = resolved if resolved is not None else resolve(cfg, "prepare")
     started = time.perf_counter()
-    out = Path(cfg.paths.prepared)
+    out = resolved.path("prepared")
     work = fresh_dir(out, ".work")  # the spools and staged outputs; gone when prepare ends, however it ends
     try:
         if resolved.objective.preference:  # preference pairs (reprotune.preference.pairs)
-            result = prepare_pairs(cfg, work)
-            write_manifest(cfg, out, source(cfg))
+            result = prepare_pairs(cfg, resolved, work)
+            write_manifest(cfg, resolved, out, source(cfg))
         else:
-            result = prepare_in(cfg, work)
+            result = prepare_in(cfg, resolved, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("prepared %d train and %d holdout examples in %s (%.1f s)", result["train"], result["holdout"], out,
@@ -373,13 +374,12 @@ def prepare(cfg: DictConfig, resolved: Run | None = None) -> dict:
     return result
 
 
-def prepare_in(cfg: DictConfig, work: Path) -> dict:
-    data, out = cfg.data, Path(cfg.paths.prepared)
-    root = Path(cfg.paths.root)
-    files, intake, rejected, extra_keys = read_into_spool(cfg, root, work)
+def prepare_in(cfg: DictConfig, run: Run, work: Path) -> dict:
+    data, out, root = cfg.data, run.path("prepared"), run.path("root")
+    files, intake, rejected, extra_keys = read_into_spool(cfg, run, work)
     examples, pii_report = scrubbed_spool(cfg, intake, work)
     log.info("PII: %s", {k: v["replacements"] for k, v in pii_report.get("entities", {}).items()} or "none")
-    split = measure_and_split(cfg, examples, intake, work)
+    split = measure_and_split(cfg, run, examples, intake, work)
     lengths, overlong = split.lengths, split.overlong
     train_idx, holdout_idx = split.indices(holdout=False), split.indices(holdout=True)
 
@@ -428,7 +428,7 @@ def prepare_in(cfg: DictConfig, work: Path) -> dict:
         out / "metrics.json": (json.dumps(prepare_metrics(report, pii_report), indent=2, sort_keys=True) + "\n").encode(),
         out / "lengths.png": plot_tmp,
     })
-    write_manifest(cfg, out, Path(cfg.data.path))
+    write_manifest(cfg, run, out, Path(cfg.data.path))
     print_table(report, pii_report)
     if overlong_note:
         print(overlong_note)
@@ -438,9 +438,10 @@ def prepare_in(cfg: DictConfig, work: Path) -> dict:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     # one line per problem, no traceback: the user fixes the data, not our code
-    with user_errors(summary=f"prepare: {{count}} problem(s); nothing written to {cfg.paths.prepared}"):
+    with user_errors():
         run = resolve(cfg, "prepare")
-        prepare(cfg, run)
+        with user_errors(summary=f"prepare: {{count}} problem(s); nothing written to {run.paths['prepared']}"):
+            prepare(cfg, run)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@ from omegaconf import DictConfig
 
 from reprotune.errors import ReprotuneError
 from reprotune.prepare_report import AtLeast
+from reprotune.run import Run, resolve
 
 
-def load_tokenizer(cfg: DictConfig) -> Any:
-    """The model's tokenizer with the chat template training uses (model.chat_template overrides it)."""
+def load_tokenizer(cfg: DictConfig, run: Run | None = None) -> Any:
+    """The model's tokenizer with the chat template training uses (model.chat_template overrides it), from the
+    Run's paths.model_cache (default: resolve(cfg, "prepare")'s)."""
     from reprotune.models import load_tokenizer as load
     from reprotune.models import resolve_model_dir
 
-    return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
+    run = run if run is not None else resolve(cfg, "prepare")
+    return load(resolve_model_dir(cfg.model, run.paths["model_cache"]), cfg.model)
 
 
 # conversations rendered and tokenized at a time: the fast tokenizer keeps an Encoding (ids, offsets, masks)

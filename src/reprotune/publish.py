@@ -25,7 +25,6 @@ from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
 from reprotune.errors import ReprotuneError, user_errors
-from reprotune.objectives import Objective
 from reprotune.run import Run, resolve
 
 log = logging.getLogger("reprotune.publish")
@@ -53,12 +52,13 @@ def _start_adapter_record(record: dict, sft_train_dir: Path) -> tuple[dict | Non
     return start, None
 
 
-def trained_on_private_data(cfg: DictConfig, sft_train_dir: Path | None = None) -> str | None:
-    """Why publishing is refused, or None: the current data config, the adapter's own training record, and for a
-    preference run the record of the adapter it started from (sft_train_dir: the SFT run's train folder)."""
+def trained_on_private_data(cfg: DictConfig, run: Run, sft_train_dir: Path | None = None) -> str | None:
+    """Why publishing is refused, or None: the current data config, the adapter's own training record (in the
+    Run's paths.train_dir), and for a preference run the record of the adapter it started from (sft_train_dir: the
+    SFT run's train folder)."""
     if cfg.data.private:
         return f"data '{cfg.data.name}' is marked private (data.private=true)"
-    manifest = Path(cfg.paths.train_dir) / "manifest.json"
+    manifest = run.path("train_dir") / "manifest.json"
     if not manifest.is_file():
         return None
     own = json.loads(manifest.read_text())
@@ -75,11 +75,11 @@ def trained_on_private_data(cfg: DictConfig, sft_train_dir: Path | None = None) 
     return _private_record(record, json.loads(record.read_text()), "the adapter it started from")
 
 
-def folder_to_publish(cfg: DictConfig, obj: Objective) -> Path:
-    what = cfg.export.publish.what
+def folder_to_publish(cfg: DictConfig, run: Run) -> Path:
+    what, obj = cfg.export.publish.what, run.objective
     if what not in ("adapter", "merged"):
         raise ReprotuneError(f"publish: export.publish.what must be 'adapter' or 'merged', not {what!r}")
-    folder = Path(cfg.paths.adapter if what == "adapter" else cfg.paths.merged)
+    folder = run.path("adapter" if what == "adapter" else "merged")
     if not folder.is_dir():
         raise ReprotuneError(f"publish: {folder} not found; run 'make {'train' if what == 'adapter' else 'merge'}"
                              f"{obj.make_args}' first")
@@ -88,16 +88,16 @@ def folder_to_publish(cfg: DictConfig, obj: Objective) -> Path:
 
 def publish(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     """resolved: the stage's Run (main resolves it first; a caller without one: resolve(cfg, "publish"))."""
-    obj = (resolved if resolved is not None else resolve(cfg, "publish")).objective
+    resolved = resolved if resolved is not None else resolve(cfg, "publish")
     # a preference run (its adapter, merged model and training record under outputs/pref) started from the SFT run's
-    sft_train_dir = Path(cfg.paths.sft_train_dir) if cfg.paths.get("sft_train_dir") else None
-    reason = trained_on_private_data(cfg, sft_train_dir)
+    sft_train_dir = resolved.path("sft_train_dir") if resolved.paths.get("sft_train_dir") else None
+    reason = trained_on_private_data(cfg, resolved, sft_train_dir)
     if reason:
         raise ReprotuneError(f"publish: refusing to publish: {reason}. Adapters trained on private data stay local.")
     repo_id = cfg.export.publish.repo_id
     if not repo_id:
         raise ReprotuneError("publish: set export.publish.repo_id=<user-or-org>/<name>")
-    folder = folder_to_publish(cfg, obj)
+    folder = folder_to_publish(cfg, resolved)
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     plan = {"repo_id": str(repo_id), "folder": folder.as_posix(), "files": files,
             "private_repo": bool(cfg.export.publish.private_repo), "push": bool(cfg.export.publish.push)}

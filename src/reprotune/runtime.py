@@ -75,7 +75,8 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False, pairs: bool = False) -> str | None:
+def attention(cfg: DictConfig, repro: str, packing: bool, device: str, varlen: bool = False,
+              pairs: bool = False) -> str | None:
     """hardware.attn_implementation, or auto: for packed CUDA runs, torch's FlashAttention varlen kernel where
     the GPU and torch have it (`varlen`: reprotune.varlen_attention, faster than flex attention),
     else flex attention (it computes only the blocks inside each example). Both backwards are deterministic under
@@ -85,8 +86,8 @@ def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False,
     objective's pairs: packed (DPO, reprotune.preference.packed: the prompt once, no padding) through `pair_varlen`
     (the varlen kernel over the pair layout) on CUDA, `pair_dense` (a masked softmax per document) on the CPU;
     padded (ORPO, KTO, or packing off: TRL 1.16's trainers pad) on CUDA through the varlen kernel, which unpads
-    each row from its mask, so no attention is computed over padding."""
-    deterministic_kernels(str(cfg.repro), device)  # an unknown mode is refused here too: make plan asks here first
+    each row from its mask, so no attention is computed over padding. repro: the stage Run's mode."""
+    deterministic_kernels(repro, device)  # an unknown mode is refused here too: make plan asks here first
     attn = cfg.hardware.attn_implementation
     if attn not in (None, "auto"):
         return str(attn)
@@ -97,4 +98,4 @@ def attention(cfg: DictConfig, packing: bool, device: str, varlen: bool = False,
         return "varlen_attention"
     if packing and device == "cuda":
         return "varlen_attention" if varlen else "flex_attention"
-    return "eager" if cfg.repro == "strict" and device != "cuda" else None
+    return "eager" if repro == "strict" and device != "cuda" else None

@@ -128,15 +128,15 @@ def lora_config(cfg: DictConfig, tokenizer=None):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool):
+def sft_config(cfg: DictConfig, run: RunSettings, has_val: bool, resolved: Run | None = None):
     """trl.SFTConfig from the train group as it is, plus the settings reprotune's guarantees rest on, which
     win over the group (reprotune.trainer_args.guarantee_keys), and the SFT-only speed settings fitted by
-    reprotune.sizing.decide (packing)."""
+    reprotune.sizing.decide (packing). resolved: the stage's Run (guarantee_keys' default: plan's)."""
     from trl import SFTConfig
 
     keys = passthrough_keys(cfg, "train")
     keys.update(
-        **guarantee_keys(cfg, run, keys, has_val),
+        **guarantee_keys(cfg, run, keys, has_val, resolved),
         packing=run.packing,
         activation_offloading=run.activation_offloading,  # TRL's OffloadActivations (long context, issue #27)
         packing_strategy="bfd",  # best-fit decreasing, padding-free: position ids restart per example
@@ -204,7 +204,7 @@ def mean_example_tokens(dataset, n_examples: int) -> float:
 class Recipe:
     """What a training objective brings to the run: its trainer class and its config (SFT, DPO, ORPO, KTO)."""
     trainer_class: type
-    trainer_config: Callable[[DictConfig, RunSettings, bool], Any]  # (cfg, run, has_validation) -> TrainingArguments
+    trainer_config: Callable[..., Any]  # (cfg, run, has_validation, resolved=) -> TrainingArguments
 
 
 def recipe(obj: Objective, run: RunSettings) -> Recipe:
@@ -221,50 +221,50 @@ def recipe(obj: Objective, run: RunSettings) -> Recipe:
     return Recipe(trainer_class=checkpoints.sealing_trainer_class(SFTTrainer), trainer_config=sft_config)
 
 
-def load_rows(cfg: DictConfig, obj: Objective) -> tuple[list[dict], list[dict]]:
+def load_rows(cfg: DictConfig, resolved: Run) -> tuple[list[dict], list[dict]]:
     """The training rows, and the validation split drawn from them when train.eval_steps asks for one."""
-    train_file = Path(cfg.paths.prepared) / "train.jsonl"
+    obj, train_file = resolved.objective, resolved.path("prepared") / "train.jsonl"
     rows = read_pairs(train_file, obj.name) if obj.preference else read_messages(train_file)
     return split_validation(rows, float(cfg.train.run.val_fraction)) if cfg.train.eval_steps else (rows, [])
 
 
-def load_tokenizer_for_training(cfg: DictConfig) -> tuple[str, Any, str | None]:
+def load_tokenizer_for_training(cfg: DictConfig, resolved: Run) -> tuple[str, Any, str | None]:
     """(model directory, tokenizer with the training chat template, the model's own template to ship)."""
     with distributed.main_process_first():
-        model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+        model_dir = resolve_model_dir(cfg.model, resolved.paths["model_cache"])
     tokenizer = load_tokenizer(model_dir, cfg.model)
     training_chat_template(cfg.model, tokenizer, bool(cfg.train.assistant_only_loss))  # one line if TRL can't patch
     return model_dir, tokenizer, tokenizer.chat_template
 
 
-def timing_callbacks(cfg: DictConfig) -> list:
+def timing_callbacks(cfg: DictConfig, resolved: Run) -> list:
     """The step timer (first: tokens/s without the warm-up), and torch.profiler when hardware.profile_steps asks."""
     profile = [int(x) for x in cfg.hardware.profile_steps] if cfg.hardware.get("profile_steps") else None
     callbacks = [speed.step_timer_callback(stop_before=profile[0] if profile else None)]
     if profile:
         callbacks.append(speed.profiler_callback((profile[0], profile[1]),
-                                                 str(Path(cfg.paths.train_dir) / "profile.txt")))
+                                                 str(resolved.path("train_dir") / "profile.txt")))
     return callbacks
 
 
-def build_trainer(cfg: DictConfig, obj: Objective, run: RunSettings, model, tokenizer, rows: list[dict],
+def build_trainer(cfg: DictConfig, resolved: Run, run: RunSettings, model, tokenizer, rows: list[dict],
                   val_rows: list[dict], callbacks: list):
     """The objective's trainer on the rows, with the LoRA config of the method group; stops when the loss mask
     leaves nothing to learn from."""
     from datasets import Dataset
 
-    chosen = recipe(obj, run)
+    obj, chosen = resolved.objective, recipe(resolved.objective, run)
     # a model that already holds the starting adapter (objective.init_adapter) trains it; else a fresh one
     from peft import PeftModel
 
     peft_config = None if isinstance(model, PeftModel) else lora_config(cfg, tokenizer)
-    trainer = chosen.trainer_class(model=model, args=chosen.trainer_config(cfg, run, bool(val_rows)), callbacks=callbacks,
+    trainer = chosen.trainer_class(model=model, args=chosen.trainer_config(cfg, run, bool(val_rows), resolved=resolved), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
                                 processing_class=tokenizer, peft_config=peft_config)
     if obj.preference:
         if not len(trainer.train_dataset):  # TRL drops pairs whose prompt alone fills max_length
-            raise ReprotuneError(f"{Path(cfg.paths.prepared) / 'train.jsonl'}:1: prompt: every prompt fills "
+            raise ReprotuneError(f"{resolved.path('prepared') / 'train.jsonl'}:1: prompt: every prompt fills "
                                  "objective.max_length: nothing to train on")
     elif assistant_tokens(trainer) == 0:  # TRL drops examples whose labels are all masked
         raise ReprotuneError(f"{cfg.model.training_chat_template}: generation: the loss mask is empty, no assistant "
@@ -360,29 +360,29 @@ def pinned_host_gib() -> dict[str, float] | None:
     return out
 
 
-def train_record(cfg: DictConfig, obj: Objective, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
+def train_record(cfg: DictConfig, resolved: Run, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
                  adapter_dir: Path, timing: dict[str, Any]) -> dict[str, Any]:
     """outputs/train/manifest.json: provenance, the run's settings, inputs and outputs by sha256, timings."""
     import torch
 
     from reprotune import manifest as mf
 
-    root, out_dir = Path(cfg.paths.root), Path(cfg.paths.train_dir)
+    obj, root, out_dir = resolved.objective, resolved.path("root"), resolved.path("train_dir")
     return mf.stage_record(
-        "train", cfg, out_dir / "manifest.json",
-        seeds=mf.seeds_record(cfg, data_seed=True),
+        "train", cfg, out_dir / "manifest.json", root,
+        seeds=mf.seeds_record(cfg, resolved, data_seed=True),
         determinism={"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                      "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),
                      "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                      "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None)},
         device=run.device, dtype=run.dtype, resumed_from=resume_from,
-        inputs={"train_data": mf.path_record(Path(cfg.paths.prepared) / "train.jsonl", root),
+        inputs={"train_data": mf.path_record(resolved.path("prepared") / "train.jsonl", root),
                 "base_model": mf.base_model_record(model_dir)},
         outputs={"adapter": mf.path_record(adapter_dir, root),
                  **{name: mf.path_record(out_dir / f, root) for name, f in
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
         timing=timing, run_settings=run.as_record(),
-        **({"objective": objective_record(cfg, obj, root)} if obj.preference else {}),
+        **({"objective": objective_record(cfg, resolved)} if obj.preference else {}),
         distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
                      "strategy": run.strategy, "global_batch": run.global_batch})
 
@@ -406,21 +406,21 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     log.info("device=%s method=%s model=%s processes=%d", device, cfg.method.name, cfg.model.name, world.size)
     # what the adapter records of its base, resolved before any weights load: a mistake here is known at the start
     log.info("base model: %s", base_identity(cfg.model)[0])
-    rows, val_rows = load_rows(cfg, obj)
-    model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg)
+    rows, val_rows = load_rows(cfg, resolved)
+    model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg, resolved)
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir), resolved)  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
     speed.apply_compile_settings(run)
     register_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if obj.preference:  # objective.init_adapter: the adapter to train further (and, copied, the reference)
-        model = with_init_adapter(model, init_adapter_dir(cfg))
+        model = with_init_adapter(model, init_adapter_dir(cfg, resolved))
         log.info("objective %s, reference: %s", obj.name, reference(cfg, obj))
-    resume_from = checkpoints.prepare_resume(cfg, world)
+    resume_from = checkpoints.prepare_resume(cfg, resolved, world)
     tokens_before = checkpoints.tokens_seen_before(resume_from)  # read now: rotation may remove that checkpoint
     log.info("%s; strategy %s", run.global_batch, run.strategy)
-    callbacks = timing_callbacks(cfg)
-    trainer = build_trainer(cfg, obj, run, model, tokenizer, rows, val_rows, callbacks)
+    callbacks = timing_callbacks(cfg, resolved)
+    trainer = build_trainer(cfg, resolved, run, model, tokenizer, rows, val_rows, callbacks)
 
     # train
     train_seconds = fit(trainer, run, resume_from)
@@ -431,19 +431,19 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
         return {}
 
     # save
-    out_dir = Path(cfg.paths.train_dir)
+    out_dir = resolved.path("train_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = train_metrics(trainer, rows, val_rows)
-    adapter_dir = save_adapter(trainer, tokenizer, cfg, metrics, original_template, state_dict)
+    adapter_dir = save_adapter(trainer, tokenizer, cfg, resolved, metrics, original_template, state_dict)
     write_json(out_dir / "metrics.json", metrics)
     write_curves(trainer, out_dir)
 
     # report
     timing = timing_record(trainer, run, callbacks[0], len(rows), time.time() - started, train_seconds, tokens_before)
-    record = train_record(cfg, obj, run, trainer, model_dir, resume_from, adapter_dir, timing)
+    record = train_record(cfg, resolved, run, trainer, model_dir, resume_from, adapter_dir, timing)
     write_json(out_dir / "manifest.json", record)
     if not cfg.train.run.keep_checkpoints:
-        shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)
+        shutil.rmtree(resolved.path("checkpoints"), ignore_errors=True)
     log.info("adapter %s (sha256 %s), final loss %.4f, %.1f tokens/s", adapter_dir,
              record["outputs"]["adapter"]["sha256"][:16], metrics["final_train_loss"], timing["tokens_per_second"] or 0)
     distributed.barrier()  # the other ranks wait for the outputs

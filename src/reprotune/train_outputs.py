@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from reprotune.config import quantization
 from reprotune.errors import needs_bytes, tensor_bytes
 from reprotune.io import save_figure, swap_dir, tmp_path
+from reprotune.run import Run
 
 
 # -------------------------------------------------------------------------------------------- loss curves
@@ -117,10 +118,11 @@ def save_adapter_weights(model, folder: Path, state_dict: dict | None = None) ->
         model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}), **only_trained)
 
 
-def save_adapter(trainer, tokenizer, cfg: DictConfig, metrics: dict, original_template: str | None,
+def save_adapter(trainer, tokenizer, cfg: DictConfig, run: Run, metrics: dict, original_template: str | None,
                  state_dict: dict | None = None) -> Path:
-    """Save to a temp dir, then swap it in: a crash never leaves a half-written outputs/adapter."""
-    final = Path(cfg.paths.adapter)
+    """Save to a temp dir, then swap it in (the Run's paths.adapter): a crash never leaves a half-written
+    outputs/adapter."""
+    final = run.path("adapter")
     tmp = tmp_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     from reprotune.models import base_identity, save_tokenizer

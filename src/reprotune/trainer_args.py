@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from reprotune import distributed
 from reprotune.config import library_keys
+from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings
 
 # what reprotune.sizing.decide fits (RunSettings): the trainer gets these from guarantee_keys alone, never as the
@@ -34,12 +35,16 @@ def checkpointing_kwargs(keys: dict[str, Any], run: RunSettings) -> dict[str, An
     return kwargs
 
 
-def guarantee_keys(cfg: DictConfig, run: RunSettings, keys: dict[str, Any], has_val: bool) -> dict[str, Any]:
-    """The keys that override `keys` (the groups' own, as they are) in any TRL trainer config."""
+def guarantee_keys(cfg: DictConfig, run: RunSettings, keys: dict[str, Any], has_val: bool,
+                   resolved: Run | None = None) -> dict[str, Any]:
+    """The keys that override `keys` (the groups' own, as they are) in any TRL trainer config; checkpoints go to
+    the stage Run's paths.checkpoints (resolved: train's; default: resolve(cfg, "plan")'s, which places nothing:
+    the paths are every stage's)."""
+    resolved = resolved if resolved is not None else resolve(cfg, "plan")
     eval_steps = keys.get("eval_steps") if keys.get("eval_steps") and has_val else None
     report_to = keys.get("report_to")
     return dict(
-        output_dir=cfg.paths.checkpoints,
+        output_dir=resolved.paths["checkpoints"],
         per_device_train_batch_size=run.per_device_train_batch_size,
         per_device_eval_batch_size=run.per_device_train_batch_size,
         gradient_accumulation_steps=run.process_accumulation,

@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -16,20 +15,22 @@ from reprotune.config import quantization
 from reprotune.errors import ReprotuneError
 from reprotune.evaluation.holdout import Example
 from reprotune.models import load_base_model, load_tokenizer, resolve_model_dir
+from reprotune.run import Run
 from reprotune.runtime import attention
 
 
-def load_model_and_tokenizer(cfg: DictConfig, device: str, dtype: str):
-    """The base model once, with the adapter on top: disable_adapter() gives the base back for its pass."""
+def load_model_and_tokenizer(cfg: DictConfig, run: Run):
+    """The base model once, with the adapter on top: disable_adapter() gives the base back for its pass. run: the
+    eval stage's (its paths.adapter, device, dtype and repro mode)."""
     from peft import PeftModel
 
-    adapter_dir = Path(cfg.paths.adapter)
+    device, dtype, adapter_dir = str(run.device), str(run.dtype), run.path("adapter")
     if not (adapter_dir / "adapter_config.json").is_file():
         raise ReprotuneError(f"{adapter_dir / 'adapter_config.json'}: file: not found; run 'make train' first")
-    model_dir = resolve_model_dir(cfg.model, cfg.paths.model_cache)
+    model_dir = resolve_model_dir(cfg.model, run.paths["model_cache"])
     # the adapter directory carries the exact tokenizer and chat template the adapter was trained with
     tokenizer = load_tokenizer(adapter_dir)
-    attn = attention(cfg, packing=False, device=device)
+    attn = attention(cfg, str(run.repro), packing=False, device=device)
     varlen_attention.register_if_chosen(attn)  # only when hardware.attn_implementation names it
     base = load_base_model(model_dir, cfg, device, dtype, attn)
     if not quantization(cfg):

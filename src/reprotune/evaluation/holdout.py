@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from reprotune import metrics as mx
 from reprotune.errors import ReprotuneError
 from reprotune.io import iter_jsonl
@@ -80,8 +78,3 @@ def check_references(examples: Sequence[Example], task: dict) -> None:
         if mx.parse_json_object(ex.reference) is None:
             raise ReprotuneError(f"{ex.where}: the reference answer is not a JSON object, but data.task.type is json; "
                                  "for free-text answers set data.task.type=text (or auto: inferred from the answers)")
-
-
-def builtin_data(cfg: DictConfig) -> bool:
-    """The run's data is the built-in invoice file (whose task conf/data/invoices.yaml describes)."""
-    return mx.is_builtin_data(str(cfg.data.path), str(cfg.paths.raw))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -16,6 +15,7 @@ from reprotune.errors import ReprotuneError
 from reprotune.evaluation.generation import SystemRun, end_of_turn_ids
 from reprotune.evaluation.holdout import Example, check_references, read_holdout
 from reprotune.models import load_tokenizer
+from reprotune.run import Run
 
 log = logging.getLogger("reprotune.evaluate")
 
@@ -24,11 +24,11 @@ log = logging.getLogger("reprotune.evaluate")
 ANSWER_MARGIN, ANSWER_MARGIN_FRACTION = 16, 0.25
 
 
-def answer_budget(cfg: DictConfig) -> int:
+def answer_budget(run: Run) -> int:
     """eval.max_new_tokens auto: the longest reference answer of the train split, in the adapter's tokenizer, plus
     its end-of-turn tokens and a margin (a 10-token answer is no reason to let a rambling base run 128 tokens)."""
-    train_file = Path(cfg.paths.prepared) / "train.jsonl"
-    adapter_dir = Path(cfg.paths.adapter)
+    train_file = run.path("prepared") / "train.jsonl"
+    adapter_dir = run.path("adapter")
     if not (adapter_dir / "adapter_config.json").is_file():
         raise ReprotuneError(f"{adapter_dir / 'adapter_config.json'}: file: not found; run 'make train' first")
     tokenizer = load_tokenizer(adapter_dir)
@@ -38,16 +38,16 @@ def answer_budget(cfg: DictConfig) -> int:
     return longest + max(ANSWER_MARGIN, math.ceil(ANSWER_MARGIN_FRACTION * longest))
 
 
-def settle_task(cfg: DictConfig, examples: Sequence[Example]) -> dict[str, Any]:
+def settle_task(cfg: DictConfig, run: Run, examples: Sequence[Example]) -> dict[str, Any]:
     """data.task and eval.max_new_tokens as this run uses them, written back into cfg (the report and the manifest
     say what was used): the task type from the reference answers (metrics.resolve_task), the generation budget from
     the training answers (answer_budget). A value set explicitly wins; a wrong one is one line naming the setting."""
     task = mx.run_task(OmegaConf.to_container(cfg.data.task, resolve=True), [ex.reference for ex in examples],
-                       str(cfg.data.path), str(cfg.paths.raw))
+                       str(cfg.data.path), run.paths["raw"])
     check_references(examples, task)
     budget = cfg.eval.max_new_tokens
     if budget == "auto":
-        budget = answer_budget(cfg)
+        budget = answer_budget(run)
     elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ReprotuneError(f"eval.max_new_tokens: {budget!r} is not a positive integer or auto")
     with open_dict(cfg):

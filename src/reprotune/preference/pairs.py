@@ -34,6 +34,7 @@ from reprotune.errors import ReprotuneError
 from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
 from reprotune.preference import PAIR_LENGTHS_FILE
 from reprotune.preference.formats import FORMATS, PairRecord, raw_records, read_preference_data
+from reprotune.run import Run
 
 log = logging.getLogger("reprotune.preference")
 ANSWERS = ("chosen", "rejected", "completion")
@@ -176,11 +177,11 @@ def check_tools(tokenizer: Any, records: list[PairRecord], rows: list[dict[str, 
                              "tool-capable template)")
 
 
-def load_tokenizer(cfg: DictConfig) -> Any:
+def load_tokenizer(cfg: DictConfig, run: Run) -> Any:
     from reprotune.models import load_tokenizer as load
     from reprotune.models import resolve_model_dir
 
-    return load(resolve_model_dir(cfg.model, cfg.paths.model_cache), cfg.model)
+    return load(resolve_model_dir(cfg.model, run.paths["model_cache"]), cfg.model)
 
 
 # -------------------------------------------------------------------------------------------------- stage
@@ -285,15 +286,16 @@ def pairs_report(cfg: DictConfig, records: list[PairRecord], skipped: list, uniq
     }
 
 
-def prepare_pairs(cfg: DictConfig, work: Path) -> dict[str, Any]:
-    """The pairs read, cleaned, scrubbed, measured and split; every output but the manifest written at once."""
+def prepare_pairs(cfg: DictConfig, run: Run, work: Path) -> dict[str, Any]:
+    """The pairs read, cleaned, scrubbed, measured and split into the Run's paths.prepared; every output but the
+    manifest written at once."""
     from reprotune.prepare_report import plot_lengths, rejected_bytes
 
-    out = Path(cfg.paths.prepared)
+    out = run.path("prepared")
     records, skipped, files = read_records(cfg)
     unique, ties, kept, ties_policy = drop_duplicates_and_ties(cfg, records)
     rows, pii_report = scrub_pairs(cfg, kept)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg, run)
     check_tools(tokenizer, kept, rows, cfg)
     split = split_pairs(cfg, kept, rows, tokenizer)
     report = pairs_report(cfg, records, skipped, unique, ties, ties_policy, rows, split)

@@ -34,6 +34,7 @@ from reprotune.config import library_keys
 from reprotune.errors import ReprotuneError
 from reprotune.io import iter_jsonl
 from reprotune.objectives import Objective
+from reprotune.run import Run
 from reprotune.run_settings import RunSettings
 from reprotune.schema import OBJECTIVES
 from reprotune.trainer_args import guarantee_keys, passthrough_keys
@@ -177,8 +178,9 @@ def objective_wins(train_keys: dict[str, Any], objective_keys: dict[str, Any]) -
             if k in train_keys and train_keys[k] != v]
 
 
-def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool, obj: Objective):
-    """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees."""
+def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool, obj: Objective, resolved: Run | None = None):
+    """The objective's TRL config: train/ keys, then objective/ keys, then reprotune's guarantees (resolved: the
+    stage's Run, guarantee_keys' default: plan's)."""
     _, config_class = trl_classes(obj.name)
     skip = sft_only_keys(config_class)
     keys = {k: v for k, v in passthrough_keys(cfg, "train").items() if k not in skip}
@@ -186,7 +188,7 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool, obj: Obj
     if won := objective_wins(keys, own):
         logging.getLogger("reprotune.train").info("%s: the objective's keys win (docs/configuration.md)", ", ".join(won))
     keys.update(own)
-    keys.update(guarantee_keys(cfg, run, keys, has_val))
+    keys.update(guarantee_keys(cfg, run, keys, has_val, resolved))
     keys["include_num_input_tokens_seen"] = "non_padding"  # padded pairs: counted without the padding
     if run.packing and run.device == "cuda":
         # the collator packs the next micro-batches on the host while the GPU runs this one (packed.packing_collator):
@@ -208,7 +210,7 @@ def preference_config(cfg: DictConfig, run: RunSettings, has_val: bool, obj: Obj
 
 
 # ------------------------------------------------------------------------------------- the starting adapter
-def init_adapter_dir(cfg: DictConfig) -> Path | None:
+def init_adapter_dir(cfg: DictConfig, resolved: Run) -> Path | None:
     """objective.init_adapter checked: an adapter directory of this base, not the one this run writes."""
     value = cfg.objective.get("init_adapter")
     if not value:
@@ -218,8 +220,8 @@ def init_adapter_dir(cfg: DictConfig) -> Path | None:
     if not config.is_file():
         raise ReprotuneError(f"{config}:0: objective.init_adapter: no adapter here (a directory written by "
                              "'make train', e.g. a copy of outputs/adapter)")
-    if path.resolve() == Path(cfg.paths.adapter).resolve():
-        raise ReprotuneError(f"{path}:0: objective.init_adapter: is this run's own output ({cfg.paths.adapter}: a "
+    if path.resolve() == resolved.path("adapter").resolve():
+        raise ReprotuneError(f"{path}:0: objective.init_adapter: is this run's own output ({resolved.paths['adapter']}: a "
                              f"rerun would start from it); name the SFT adapter (outputs/adapter) or a copy of this one")
     from reprotune.models import base_identity
 
@@ -249,11 +251,13 @@ def reference(cfg: DictConfig, obj: Objective) -> str:
     return "base (the adapter disabled)"
 
 
-def objective_record(cfg: DictConfig, obj: Objective, root: Path) -> dict[str, Any]:
-    """The manifest's objective: name, reference, beta, loss, the starting adapter by sha256."""
+def objective_record(cfg: DictConfig, resolved: Run) -> dict[str, Any]:
+    """The manifest's objective: name, reference, beta, loss, the starting adapter by sha256 (relative to the
+    Run's paths.root)."""
     from reprotune import manifest as mf
 
-    init = init_adapter_dir(cfg)
+    obj, root = resolved.objective, resolved.path("root")
+    init = init_adapter_dir(cfg, resolved)
     loss = cfg.objective.get("loss_type")
     return {"name": obj.name, "reference": reference(cfg, obj), "beta": cfg.objective.get("beta"),
             "loss_type": OmegaConf.to_container(loss) if OmegaConf.is_config(loss) else loss,

@@ -4,8 +4,8 @@ config and a description of the hardware, each choice with its reason.
     run = decide(cfg, card("H200"), resolved=plan)           # make plan: a described card (resolved: its Run)
     run = decide(cfg, detect(train.device), resolved=train)  # make train: this process's GPU (sizing.preflight)
 
-A pure function of the config (and the files it names: the prepared data's token lengths, a local config.json)
-and a Hardware value, so a CPU test can drive the CUDA branch with a described card. What it decides:
+A pure function of the config, the stage's Run (its repro mode; paths.prepared: the prepared data's token lengths),
+a local config.json and a Hardware value, so a CPU test can drive the CUDA branch with a described card. It decides:
 - precision, and on CUDA the fast path (reprotune.speed's docstring says why each): padding-free packing, flex
   attention over the packed block-diagonal mask, Liger's fused kernels (when installed), LoRA's fused scale-and-add;
 - activation checkpointing, its spacing, rows per micro-batch and gradient accumulation: with
@@ -145,6 +145,7 @@ def long_context_switches(cfg: DictConfig, device: str, obj: Objective) -> tuple
 class _Paths:
     """The code paths chosen before any memory is counted."""
     obj: Objective   # the run's objective (reprotune.run.Run.objective)
+    run: Run         # the stage's Run: its repro mode, its paths.prepared
     dtype: str
     packing: bool
     attn: str | None
@@ -175,18 +176,17 @@ def optimizer(cfg: DictConfig, device: str) -> tuple[str, str | None]:
     return configured, None
 
 
-def _paths(cfg: DictConfig, hw: Hardware, obj: Objective) -> _Paths:
-    h, cuda = cfg.hardware, hw.device == "cuda"
+def _paths(cfg: DictConfig, hw: Hardware, resolved: Run) -> _Paths:
+    h, cuda, obj = cfg.hardware, hw.device == "cuda", resolved.objective
     fast = cuda if _auto(h.fast_path) else bool(h.fast_path)
     reasons = [f"fast_path={'on' if fast else 'off'} ({'GPU' if cuda else hw.device})"]
     # DPO's packed pairs compute what TRL's padded pairs do (tests/test_preference_packed.py) with each prompt once:
     # auto packs them on the CPU too (the built-in demo's DPO step: ~36 s a step against ~53 s padded, 2 cores)
-    # KTO's packed rows and ORPO's packed pairs only where the fast path is (the CPU keeps TRL's padded batch, and
-    # its bytes)
+    # KTO's packed rows and ORPO's packed pairs only where the fast path is (the CPU keeps TRL's padded batch, bytes)
     packing = (fast or obj.packs_on_cpu) if _auto(cfg.train.get("packing")) else bool(cfg.train.packing)
     if obj.packs and packing:
         reasons.append(obj.packed_reason)
-    attn = attention(cfg, packing, hw.device, varlen=hw.varlen_attention, pairs=obj.preference)
+    attn = attention(cfg, str(resolved.repro), packing, hw.device, varlen=hw.varlen_attention, pairs=obj.preference)
     reasons.append(f"attention={attn or 'sdpa'}")
     liger = h.liger_kernel
     if _auto(liger):
@@ -209,16 +209,16 @@ def _paths(cfg: DictConfig, hw: Hardware, obj: Objective) -> _Paths:
     if workers:
         reasons.append(f"DataLoader workers: {workers}; the collator packs the next micro-batches (and gathers the host "
                        "embedding's rows) while the GPU computes, not at each step's start")
-    return _Paths(obj=obj, dtype=dtype_for(str(cfg.hardware.dtype), hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
+    return _Paths(obj=obj, run=resolved, dtype=dtype_for(str(cfg.hardware.dtype), hw.device), packing=packing, attn=attn, liger=bool(liger), norm=norm,
                   fused=fused, optim=optim, workers=workers, reasons=tuple(reasons),
-                  dq_split_sms=dq_split_sms(cfg, hw, attn))
+                  dq_split_sms=dq_split_sms(str(resolved.repro), hw, attn))
 
 
-def dq_split_sms(cfg: DictConfig, hw: Hardware, attn: str | None) -> int:
+def dq_split_sms(repro: str, hw: Hardware, attn: str | None) -> int:
     """The SM count FlashAttention's deterministic varlen backward splits dQ by on `hw` (Settings.dq_split_sms), 0
-    where atomic adds run (repro=fast) or another kernel does."""
+    where atomic adds run (the Run's repro=fast) or another kernel does."""
     varlen = attn in ("varlen_attention", "pair_varlen")
-    return hw.multiprocessors if varlen and deterministic_kernels(str(cfg.repro), hw.device) else 0
+    return hw.multiprocessors if varlen and deterministic_kernels(repro, hw.device) else 0
 
 
 def dataloader_workers(cfg: DictConfig, device: str, packing: bool, preference: bool) -> int:
@@ -321,7 +321,7 @@ def padded_preference(cfg: DictConfig, p: _Paths) -> bool:
 def preference_padded_on(cfg: DictConfig, hw: Hardware, resolved: Run | None = None) -> bool:
     """padded_preference on `hw` (make plan reads the prepared rows the way the run will batch them)."""
     resolved = resolved if resolved is not None else resolve(cfg, "plan")
-    return padded_preference(cfg, _paths(cfg, hw, resolved.objective))
+    return padded_preference(cfg, _paths(cfg, hw, resolved))
 
 
 def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "prepared") -> Settings:
@@ -342,7 +342,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
     unpaired_rows = obj.preference and not obj.paired  # KTO's
     padded = padded_batch(cfg, obj) if padded_preference(cfg, p) or unpaired_rows else {}
     if packed_pairs(cfg, p):
-        max_length = pair_row_tokens(cfg, obj, data)
+        max_length = pair_row_tokens(cfg, obj, data, p.run)
     elif padded:
         max_length = int(cfg.objective.get("max_length") or train.max_length)
     else:
@@ -387,7 +387,7 @@ def configured_tile(cfg: DictConfig) -> int | None:
 def configured_settings(cfg: DictConfig, hw: Hardware | None = None, resolved: Run | None = None) -> Settings:
     """The memory model's view of the run as configured on `hw` (default: a GPU with the CUDA lock), unfitted."""
     resolved = resolved if resolved is not None else resolve(cfg, "plan")
-    return _memory_view(cfg, _paths(cfg, hw or Hardware(device="cuda"), resolved.objective))
+    return _memory_view(cfg, _paths(cfg, hw or Hardware(device="cuda"), resolved))
 
 
 @dataclass(frozen=True)
@@ -476,7 +476,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
     train passes the downloaded config.json's for a preset without one); data: the prepared data's token lengths
     (default: read from paths.prepared; None: full-length examples); resolved: the stage's Run (default: plan's)."""
     resolved = resolved if resolved is not None else resolve(cfg, "plan")
-    p = _paths(cfg, hw, resolved.objective)
+    p = _paths(cfg, hw, resolved)
     reasons = list(p.reasons)
     try:
         shape = shape or model_shape(cfg.model)
@@ -484,7 +484,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         reasons.append(f"plan: {err} (no memory fit)")
         shape = None
     padded, (rows, accum) = padded_preference(cfg, p), configured_batch(cfg)
-    data = (load_data_shape(cfg, padded=padded, world_size=hw.world_size, obj=p.obj, global_batch=rows * accum)
+    data = (load_data_shape(cfg, padded=padded, world_size=hw.world_size, resolved=resolved, global_batch=rows * accum)
             if data == "prepared" else data)
     if shape is not None and packed_pairs(cfg, p):
         lines, data = packed_reasons(cfg, p.obj, data)

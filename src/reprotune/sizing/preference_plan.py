@@ -12,14 +12,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from reprotune.objectives import Objective
+from reprotune.run import Run
 from reprotune.run_settings import Settings
 from reprotune.sizing.shape import DataShape, load_data_shape
 
 
-def pair_row_tokens(cfg: DictConfig, obj: Objective, data: DataShape | None | str = "prepared") -> int:
-    """The longest packed pair (KTO: example): from the prepared pairs, else its bound (a prompt and two answers,
-    each sequence at most data.max_length: 2 * max_length; a KTO example: max_length)."""
-    data = load_data_shape(cfg, padded=False, obj=obj) if data == "prepared" else data
+def pair_row_tokens(cfg: DictConfig, obj: Objective, data: DataShape | None | str = "prepared",
+                    resolved: Run | None = None) -> int:
+    """The longest packed pair (KTO: example): from the prepared pairs (the Run's paths.prepared; default: plan's),
+    else its bound (a prompt and two answers, each sequence at most data.max_length: 2 * max_length; a KTO example:
+    max_length)."""
+    data = load_data_shape(cfg, padded=False, resolved=resolved) if data == "prepared" else data
     paired = obj.paired
     return data.max_tokens if data else (2 if paired else 1) * int(cfg.train.max_length)
 

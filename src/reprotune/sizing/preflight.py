@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from reprotune.run import Run
+from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings
 from reprotune.sizing.decide import Hardware, configured_settings, decide
 from reprotune.sizing.fit import describe, overrides_for
@@ -40,9 +40,10 @@ def train_shape(cfg: DictConfig, model_dir: str | Path) -> Shape | None:
 def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None, resolved: Run | None = None) -> RunSettings:
     """The run's settings on `hw`, written to outputs/train/plan.json (on a GPU with the whole plan for it); exit 2
     (one line, with the overrides that would fit) when the predicted need is over the free memory. resolved: train's
-    reprotune.run.Run (None: decide's default, plan's)."""
+    reprotune.run.Run (None: decide's default, plan's): its paths.train_dir holds plan.json."""
+    resolved = resolved if resolved is not None else resolve(cfg, "plan")
     run = decide(cfg, hw, shape, resolved=resolved)
-    out = Path(cfg.paths.train_dir) / "plan.json"
+    out = resolved.path("train_dir") / "plan.json"
     if hw.device != "cuda" or run.planned is None:
         write_plan({"device": run.device, "run_settings": run.as_record(), "memory": None,
                     "note": "nothing fitted off a GPU (or without the model's shape); make plan plans a GPU run"}, out)

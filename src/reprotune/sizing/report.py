@@ -14,7 +14,6 @@ import yaml
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR
-from reprotune.objectives import Objective
 from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings, Settings
 from reprotune.sizing.calibration import measured_run
@@ -43,9 +42,9 @@ from reprotune.sizing.throughput import steps_and_tokens, tokens_per_second
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
-def warnings_for(cfg: DictConfig, obj: Objective, s: Settings, data: DataShape | None,
+def warnings_for(cfg: DictConfig, resolved: Run, s: Settings, data: DataShape | None,
                  run: dict[str, Any]) -> list[str]:
-    out = []
+    out, obj = [], resolved.objective
     model = cfg.model
     local = bool(model.path) and Path(str(model.path)).is_dir()
     if model.source == "hub" and not local and not SHA_RE.match(str(model.revision or "")):
@@ -60,11 +59,11 @@ def warnings_for(cfg: DictConfig, obj: Objective, s: Settings, data: DataShape |
                    f"vocab_size is {vocab:,}: make train stops (give it a tokenizer of at most {vocab:,} ids)")
     if data is None:
         if obj.preference:  # a preference run's rows are in paths.pairs
-            out.append(f"{cfg.paths.pairs}: no prepared pairs (run make prepare ARGS=\"objective="
+            out.append(f"{resolved.paths['pairs']}: no prepared pairs (run make prepare ARGS=\"objective="
                        f"{cfg.objective.name}\"); memory assumes the longest rows max_length allows, and no time or cost "
                        "without token counts")
             return out
-        out.append(f"{cfg.paths.prepared}: no prepared data (run make prepare); memory assumes full-length "
+        out.append(f"{resolved.paths['prepared']}: no prepared data (run make prepare); memory assumes full-length "
                    "examples, and no time or cost without token counts")
         return out
     if data.overlong:
@@ -155,7 +154,7 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
     # rows as the run will batch them (packed pairs: the micro-batches it will draw on these processes)
     rows, accum = configured_batch(cfg)
     data = load_data_shape(cfg, padded=preference_padded_on(cfg, described, resolved),
-                           world_size=described.world_size, obj=resolved.objective, global_batch=rows * accum)
+                           world_size=described.world_size, resolved=resolved, global_batch=rows * accum)
     run = run or decide(cfg, described, shape, data, resolved)
     s, mem, budget = run.planned, run.predicted, run.budget_bytes
     base = configured_settings(cfg, described, resolved)
@@ -181,7 +180,7 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
         "time_and_cost": time_and_cost(cfg, resolved, shape, base, data, tables),
         "prices_as_of": tables["prices"]["as_of"],
         "prices_verified": tables["prices"].get("verified", False),
-        "warnings": warnings_for(cfg, resolved.objective, s, data, steps),
+        "warnings": warnings_for(cfg, resolved, s, data, steps),
         "reasons": list(run.reasons),
     }
 

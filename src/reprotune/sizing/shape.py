@@ -14,7 +14,7 @@ import yaml
 from omegaconf import DictConfig
 
 from reprotune.config import CONF_DIR, plain
-from reprotune.objectives import Objective
+from reprotune.run import Run
 
 PLAN_DIR = CONF_DIR / "plan"
 
@@ -232,19 +232,19 @@ def padded_shape_from_prepared(prepared: Path | str, objective: str) -> dict[str
 
 
 def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int = 1,
-                    obj: Objective | None = None, global_batch: int | None = None) -> DataShape | None:
+                    resolved: Run | None = None, global_batch: int | None = None) -> DataShape | None:
     """The prepared training data's shape: conversations, or (a preference objective) packed pairs, or with
     `padded` the padded rows of TRL's preference trainers (None: DPO and ORPO with train.packing other than false
     are packed pairs, as on the GPU; KTO and unpacked pairs are padded; KTO's rows are the same packed or padded).
     Packed pairs carry the largest micro-batch the run will draw on `world_size` processes, where that is known
     (global_batch: the configured rows x accumulation, reprotune.sizing.decide.configured_batch; None: not drawn).
-    obj: the run's objective (reprotune.run.Run.objective; default: resolve(cfg, "plan")'s)."""
-    if obj is None:
+    resolved: the stage's reprotune.run.Run, its objective and paths.prepared (default: resolve(cfg, "plan")'s)."""
+    if resolved is None:
         from reprotune.run import resolve
 
-        obj = resolve(cfg, "plan").objective
+        resolved = resolve(cfg, "plan")
     # a preference run's paths.prepared is its pairs' folder (conf/objective/paths/preference.yaml)
-    prepared = Path(cfg.paths.prepared)
+    obj, prepared = resolved.objective, resolved.path("prepared")
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
     if obj.preference:
