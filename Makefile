@@ -86,7 +86,7 @@ train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODE
 	$(call stage,train)
 
 .PHONY: test
-test: venv data ## The fast lane (770 tests: 3:02 on 2 idle cores): unit + fast integration tests; no llama.cpp build, no image
+test: venv data ## The fast lane (805 tests: 2:24 on 2 idle cores): unit + fast integration tests; no llama.cpp build, no image
 	$(PY) -m pytest -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 .PHONY: test-all

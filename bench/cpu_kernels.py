@@ -58,10 +58,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2_135m")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--root", type=Path, default=Path("bench-out/cpu_kernels"))
+    parser.add_argument("--skip-old", action="store_true", help="leave out the old MKL COMPATIBLE path")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    variants = [name for name in VARIANTS if not (args.skip_old and name.startswith("pinned-old"))]
     rows = [train_once(name, run, args.model, args.overrides, args.root)
-            for run in range(1, args.rounds + 1) for name in VARIANTS]
+            for run in range(1, args.rounds + 1) for name in variants]
     print(f"\ncpu: {os.uname().machine}, {os.cpu_count()} CPUs; {' '.join(args.overrides)}\n")
     print("| round | kernels | matmul | ATen level | threads | tokens/s | vs native (same round) | adapter sha256 "
           "| load avg at start |\n|---|---|---|---|---|---|---|---|---|")
@@ -70,7 +72,7 @@ def main() -> None:
         print(f"| {r['run']} | {r['variant']} | {r['matmul']} | {r['capability']} | {r['threads']} | "
               f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / native['tokens_per_s']:.2f}x | `{r['adapter'][:12]}` | "
               f"{r['load']:.1f} |")
-    for name in VARIANTS:
+    for name in variants:
         mine = [r for r in rows if r["variant"] == name]
         natives = [r for r in rows if r["variant"] == "native"]
         mean = sum(r["tokens_per_s"] for r in mine) / len(mine)
