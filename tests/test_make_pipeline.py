@@ -215,8 +215,9 @@ MATRIX = [
     # make gguf's parity gate scores the task with the eval stage's metrics (reprotune.gguf_quality, issue #49)
     ("edit src/reprotune/metrics.py", E8, "src/reprotune/metrics.py", ["eval", "gguf", "eval_pref", "gguf_pref"],
      "stale"),
-    ("export.merge.prompts=3", (*E8, "export.merge.prompts=3"), None, ["merge", "gguf", "merge_pref", "gguf_pref"],
-     "stale"),
+    # stale: dvc status names the stages whose own params changed; run, their new merged/parity.json (it records
+    # the prompt count) would re-run gguf and gguf_pref after them, as the train.max_steps row's cascade shows
+    ("export.merge.prompts=3", (*E8, "export.merge.prompts=3"), None, ["merge", "merge_pref"], "stale"),
     ("train.max_steps=4", (*E8, "train.max_steps=4"), None,
      ["train", "eval", "merge", "gguf", *PREF[1:]], "run"),
 ]
