@@ -123,15 +123,19 @@ _RESOLVERS: dict[str, Callable[[Any, str], Run]] = {"plain": _plain, "seeded": _
                                                     "eval": _evaluated}
 
 
-def resolver_of(stage: str) -> str:
-    """The name of the function that resolves `stage` (reprotune.pipeline follows it for the stage's params)."""
+def _resolver(stage: str) -> Callable[[Any, str], Run]:
     if stage not in STAGES:
         raise ReprotuneError(f"resolve: unknown stage {stage!r} (one of {', '.join(STAGES)})")
     kind = ("eval" if stage == "eval" else "placed" if stage in PLACED else "plain" if stage in UNSEEDED
             else "seeded")
-    return _RESOLVERS[kind].__name__
+    return _RESOLVERS[kind]
+
+
+def resolver_of(stage: str) -> str:
+    """The name of the function that resolves `stage` (reprotune.pipeline follows it for the stage's params)."""
+    return _resolver(stage).__name__
 
 
 def resolve(cfg: Any, stage: str) -> Run:
     """The stage's Run, from the composed (and at the door checked) config: called first by every stage's main."""
-    return {f.__name__: f for f in _RESOLVERS.values()}[resolver_of(stage)](cfg, stage)
+    return _resolver(stage)(cfg, stage)
