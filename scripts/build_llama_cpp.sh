@@ -6,7 +6,9 @@
 #   - the llama-cpp-python wheel (libllama + Python bindings, also llama_model_quantize and the server),
 #     built without -march=native (-DGGML_NATIVE=OFF), CPU kernels for x86-64-v3 where the CPU has it (below),
 #     with the hash-locked tools of lockfiles/llama-cpp-build.txt, and without llama.cpp's common/ library
-#     (scripts/llama_cpp_no_common.cmake: nothing here loads it);
+#     (scripts/llama_cpp_project.cmake: nothing here loads it);
+#   - llama-imatrix and llama-quantize, compiled in the wheel's build tree after it and linked against the same
+#     libllama and libggml (the tools and the libraries they load in $dir/tools/bin, run path $ORIGIN);
 #   - vendor/llama.cpp/convert_hf_to_gguf.py with its own vendored gguf-py.
 # Results are cached under $LLAMA_CPP_CACHE/<version>-<key>, key = sdist sha256 + build flags + Python minor
 # version + glibc, so a rerun (or a rebuilt .venv) only reinstalls the cached wheel. The compiler that built it is
@@ -64,8 +66,9 @@ sha=$(grep -A1 '^llama-cpp-python==' "$LOCK" | grep -o 'sha256:[0-9a-f]*' | head
 platform=$("$PYTHON" -c 'import platform, sys; print(sys.version_info[:2], platform.machine(), platform.libc_ver())')
 # v2: the build maps its own paths to fixed names (-ffile-prefix-map), so the binaries do not depend on where
 # the cache is (__FILE__ in ggml's asserts would otherwise embed it)
-# the project include (LLAMA_BUILD_COMMON off, scripts/llama_cpp_no_common.cmake) is part of the build, so of the key
-PROJECT_INCLUDE=$PWD/scripts/llama_cpp_no_common.cmake
+# the project include (common/ and the tools out of the wheel's target, scripts/llama_cpp_project.cmake) is part of
+# the build, so of the key
+PROJECT_INCLUDE=$PWD/scripts/llama_cpp_project.cmake
 key=$(printf '%s %s %s %s %s' "$sha" "$CMAKE_FLAGS" "$platform" "paths-v2" "$(sha256sum < "$PROJECT_INCLUDE")" \
   | sha256sum | cut -c1-16)
 dir="$CACHE/$version-$key"
@@ -102,6 +105,41 @@ prune_source() {
     [ -e "$entry" ] || continue
     basename "$entry" | grep -qE "$keep" || rm -rf "$entry"
   done
+}
+
+# The two llama.cpp tools 'make gguf' runs as programs: llama-imatrix (the importance matrix of the training data;
+# it needs llama.cpp's common/ library, which the wheel leaves out) and llama-quantize (it reads the imatrix file
+# with common's loader). Built in the wheel's build tree $1/build (scripts/llama_cpp_project.cmake declares them
+# there, outside the wheel's target): only common/, cpp-httplib and the two tools compile; they link against the
+# libllama and libggml the wheel ships. Each tool and every library of that tree it loads go to $1/tools/bin.
+build_tools() {
+  local at=$1 t0 lib
+  t0=$(date +%s)
+  log "compiling llama-imatrix and llama-quantize in the same build tree (common/ and the tools only)"
+  # shellcheck disable=SC2086  # CMAKE_FLAGS is a list of -D flags
+  if ! { PATH="$at/buildenv/bin:$PATH" SOURCE_DATE_EPOCH=1767225600 GIT_CEILING_DIRECTORIES="$at" \
+      cmake -S "$at/src/llama_cpp_python-$version" -B "$at/build" $CMAKE_FLAGS -DREPROTUNE_LLAMA_TOOLS=ON \
+      -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && PATH="$at/buildenv/bin:$PATH" SOURCE_DATE_EPOCH=1767225600 GIT_CEILING_DIRECTORIES="$at" \
+      cmake --build "$at/build" --parallel "$(nproc)" --target llama-imatrix llama-quantize; } \
+      > "$at/tools-build.log" 2>&1; then
+    tail -40 "$at/tools-build.log" >&2
+    log "llama.cpp tools build failed; full log: $at/tools-build.log"; exit 1
+  fi
+  mkdir -p "$at/tools/bin"
+  find "$at/build" -type f \( -name llama-imatrix -o -name llama-quantize \) -exec cp {} "$at/tools/bin/" \;
+  # the libraries by their file names and sonames (cp -a keeps the links), found by what the tools ask for
+  for lib in $(LD_LIBRARY_PATH=$(find "$at/build" -name '*.so*' -printf '%h\n' | sort -u | paste -sd:) \
+      ldd "$at/tools/bin/llama-imatrix" "$at/tools/bin/llama-quantize" | awk -v b="$at/build/" 'index($3, b) == 1 {print $3}' | sort -u); do
+    cp -a "$(dirname "$lib")/$(basename "$lib" | sed 's/\.so.*/.so/')"* "$at/tools/bin/"
+  done
+  if ldd "$at/tools/bin/llama-imatrix" "$at/tools/bin/llama-quantize" | grep -q "not found"; then
+    ldd "$at/tools/bin/llama-imatrix" "$at/tools/bin/llama-quantize" >&2
+    log "llama.cpp tools: a library is missing next to them in $at/tools/bin"; exit 1
+  fi
+  echo "$(( $(date +%s) - t0 ))" > "$at/tools/build_seconds"
+  touch "$at/tools/done"
+  log "built the tools in $(( $(date +%s) - t0 )) s: $(ls "$at/tools/bin" | paste -sd' ')"
 }
 
 if [ "$CPU_LEVEL" = x86-64-v3 ] && [ -n "$(cpu_lacks)" ]; then  # it would die of SIGILL at the first AVX2 instruction
@@ -151,45 +189,17 @@ if [ ! -f "$dir/done" ]; then
     tail -40 "$dir.tmp/build.log" >&2
     log "wheel build failed; full log: $dir.tmp/build.log"; exit 1
   fi
-  log "built in $(( $(date +%s) - start )) s: $(ls "$dir.tmp/wheel")"
+  log "built the wheel in $(( $(date +%s) - start )) s: $(ls "$dir.tmp/wheel")"
+  build_tools "$dir.tmp"
+  echo "$(( $(date +%s) - start ))" > "$dir.tmp/build_seconds"
   rm -rf "$dir.tmp/buildenv" "$dir.tmp/dl" "$dir.tmp/build"
   prune_source "$dir.tmp/src/llama_cpp_python-$version"
-  echo "$(( $(date +%s) - start ))" > "$dir.tmp/build_seconds"
   toolchain > "$dir.tmp/toolchain"
   echo "$CPU_LEVEL" > "$dir.tmp/cpu_level"
   touch "$dir.tmp/done"
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
 fi
-
-# The two llama.cpp tools 'make gguf' runs as programs: llama-imatrix (the importance matrix of the training data;
-# it needs llama.cpp's common/ library, which the wheel leaves out) and llama-quantize (it reads the imatrix file
-# with common's loader). Same sdist, same flags, built statically from that tree into $dir/tools/bin (only these two
-# targets: ggml, libllama, common and the two tools; cpp-httplib is compiled for common but never called).
-if [ ! -f "$dir/tools/done" ]; then
-  need_compiler
-  t="$dir/tools.tmp"
-  rm -rf "$t" && mkdir -p "$t/dl" "$t/src" "$t/bin"
-  fetch_source "$t"   # again: the wheel's tree was pruned to the converter after its build
-  log "compiling llama-imatrix and llama-quantize ($CMAKE_FLAGS, static) on $(nproc) cores; takes minutes"
-  start=$(date +%s)
-  prefix_map="-ffile-prefix-map=$t/src=/llama-cpp/src -ffile-prefix-map=$t/build=/llama-cpp/build"
-  # shellcheck disable=SC2086  # CMAKE_FLAGS is a list of -D flags
-  if ! { PATH="$t/buildenv/bin:$PATH" CFLAGS="$prefix_map" CXXFLAGS="$prefix_map" SOURCE_DATE_EPOCH=1767225600 \
-      GIT_CEILING_DIRECTORIES="$t" cmake -S "$t/src/llama_cpp_python-$version/vendor/llama.cpp" -B "$t/build" \
-      -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF $CMAKE_FLAGS -DLLAMA_BUILD_COMMON=ON \
-      -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-    && PATH="$t/buildenv/bin:$PATH" cmake --build "$t/build" --parallel "$(nproc)" \
-      --target llama-imatrix llama-quantize; } > "$t/build.log" 2>&1; then
-    tail -40 "$t/build.log" >&2
-    log "llama.cpp tools build failed; full log: $t/build.log"; exit 1
-  fi
-  cp "$t/build/bin/llama-imatrix" "$t/build/bin/llama-quantize" "$t/bin/"
-  log "built the tools in $(( $(date +%s) - start )) s"
-  echo "$(( $(date +%s) - start ))" > "$t/build_seconds"
-  rm -rf "$t/buildenv" "$t/dl" "$t/build" "$t/src"
-  touch "$t/done"
-  rm -rf "$dir/tools" && mv "$t" "$dir/tools"
-fi
+[ -f "$dir/tools/done" ] || { log "$dir has no llama-imatrix/llama-quantize (an older layout): remove it and rerun"; exit 1; }
 
 # LLAMA_CPP_COMPILE_ONLY=1: stop at the cache. .ci/run compiles while the project's venv is still being built (VENV
 # is then a bare venv of the same interpreter, so the key above is the same) and installs later with make llama-cpp.

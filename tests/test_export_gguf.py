@@ -42,7 +42,9 @@ def test_gguf_files(exported: tuple[Path, list[str]]) -> None:
     # the imatrix: what it read is hashed (the text itself does not ship), the tools that made it too
     assert manifest["inputs"]["imatrix_data"]["source"].endswith("data/prepared/train.jsonl")
     assert len(manifest["inputs"]["imatrix_data"]["sha256"]) == 64
-    assert set(manifest["llama_cpp"]["tools_sha256"]) == {"llama-imatrix", "llama-quantize"}
+    # the two tools and the libraries they load from their folder (the quantize logic is libllama-quantize-impl's)
+    assert {"llama-imatrix", "llama-quantize", "libllama-quantize-impl.so", "libllama-common.so.0.5.0",
+            "libllama.so.0.5.0"} <= set(manifest["llama_cpp"]["tools_sha256"])
     assert not list(root.glob("outputs/.*imatrix-work*"))
 
 

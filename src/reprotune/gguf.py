@@ -355,12 +355,12 @@ def write_manifest(run: Export, report: dict[str, Any], files: dict[str, str], i
 
 
 def llama_cpp_record(src: Path, with_tools: bool) -> dict[str, Any]:
-    """The llama.cpp build that made the files (and the two tools' sha256 when the imatrix path used them)."""
+    """The llama.cpp build that made the files (and the sha256 of the tools' folder when the imatrix path used it)."""
     from reprotune import manifest as mf
 
     return {"llama_cpp_python": llamacpp.version(), "source": str(src), "system_info": llamacpp.system_info(),
             "lock_sha256": mf.sha256_file(llamacpp.REPO / "lockfiles/llama-cpp.txt"),
-            **({"tools_sha256": {t: mf.sha256_file(gq.tool(src, t)) for t in ("llama-imatrix", "llama-quantize")}}
+            **({"tools_sha256": gq.tool_files_sha256(src)}
                if with_tools else {})}
 
 

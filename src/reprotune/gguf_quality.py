@@ -35,6 +35,15 @@ def tool(src: Path, name: str) -> Path:
     return path
 
 
+def tool_files_sha256(src: Path) -> dict[str, str]:
+    """sha256 of every file of the tools' folder: the two tools and the libraries they load from it (libllama,
+    libggml, libllama-common, libllama-quantize-impl: the quantize logic is in the latter), symbolic links left out."""
+    from reprotune import manifest as mf
+
+    folder = tool(src, "llama-quantize").parent
+    return {p.name: mf.sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.is_symlink()}
+
+
 def run_tool(cmd: Sequence[str], cwd: Path, what: str) -> str:
     """Run a llama.cpp tool; its output is returned, and its last lines name the failure if it fails."""
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -43,8 +43,11 @@ def set_reproducibility(cfg: DictConfig, run: Run) -> None:
     warning = kernels.check_mode(mode)
     if warning:
         logging.getLogger("reprotune.runtime").warning(warning)
-    else:
-        kernels.route_matmul(mode)  # pinned: float32 CPU matrix products on OpenBLAS's pinned kernels
+    elif device == "cpu":
+        # pinned: float32 CPU matrix products on OpenBLAS's pinned kernels. A GPU run's products are on the GPU:
+        # it is not routed (under pytest on the GPU host a plugin loaded numpy's OpenBLAS before the pin, so it
+        # ran its SkylakeX kernels and the route refused, stopping a run whose CPU products are none)
+        kernels.route_matmul(mode)
     # a GPU run's math is on the GPU: its CPU threads stay torch's unless hardware.num_threads says otherwise
     threads = kernels.thread_count(cfg.hardware.num_threads, mode if device == "cpu" else "native")
     if threads:
