@@ -16,10 +16,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
-# make test / test-all run on every core (at most 4 workers); tests/conftest.py keeps each module on one worker (its
-# own loadgroup scheduler: xdist's stopped grouping under pytest 9.2), hands out the longest modules first and builds
-# the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
-PYTEST_XDIST ?= -n auto --maxprocesses=4 --dist loadgroup
+# make test / test-all run one worker more than the cores (at most 4): a worker that waits (on a sleeping child, a
+# kill, Docker's daemon, a lock) would otherwise leave its core idle. tests/conftest.py keeps each module on one
+# worker (its own loadgroup scheduler: xdist's stopped grouping under pytest 9.2), hands out the longest modules first
+# and builds the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 4 )))
+PYTEST_XDIST ?= -n $(PYTEST_WORKERS) --dist loadgroup
 export REPROTUNE_LOCK_VARIANT := $(VARIANT)
 # Runs are offline unless a model preset needs the hub; tokenizers' thread pool is off for determinism.
 export TOKENIZERS_PARALLELISM := false

@@ -16,6 +16,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -160,8 +161,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
+# Each xdist worker's busy seconds (its tests' durations) and when its last report reached the controller: the
+# idle tail of a worker that finished early is what a better order of LONGEST_FIRST can win back.
+_WORKERS: dict[str, dict[str, float | str]] = {}
+_SESSION_START = time.time()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)  # set by xdist
+    if worker:
+        seen = _WORKERS.setdefault(worker, {"busy": 0.0, "last": 0.0, "module": ""})
+        seen["busy"] = float(seen["busy"]) + report.duration
+        seen["last"], seen["module"] = time.time() - _SESSION_START, module_of(report.nodeid)
+
+
 def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
-    """The modules that used most CPU (the reports reach the controller with their user_properties)."""
+    """Each worker's busy and finishing time, and the modules that used most CPU (the reports reach the controller
+    with their user_properties)."""
+    if _WORKERS:
+        terminalreporter.write_sep("=", "xdist workers: busy seconds, last report at (s after start), last module")  # type: ignore[attr-defined]
+        for worker, seen in sorted(_WORKERS.items()):
+            terminalreporter.write_line(f"{worker}: busy {seen['busy']:7.1f}  last at {seen['last']:7.1f}  {seen['module']}")  # type: ignore[attr-defined]
     cpu: dict[str, float] = {}
     per_test: dict[str, float] = {}
     for reports in terminalreporter.stats.values():  # type: ignore[attr-defined]
