@@ -35,6 +35,19 @@ def test_code_deps_cover_every_imported_project_module() -> None:
     assert f"{src}pipeline.py" not in set().union(*deps.values())  # imported by no stage
 
 
+def test_every_dependency_a_stage_names_exists() -> None:
+    """A dep is a file of the checkout or another stage's output: a renamed script left in pipeline.py made every
+    make gguf fail with DVC's 'No such file' (the fresh-clone CI of e325fd8)."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    outs = {str(o if isinstance(o, str) else next(iter(o))) for st in stages.values() for o in st.get("outs", [])}
+    ignored = {"data/raw"}  # data.dvc's output: pulled or regenerated (make data), not tracked by git
+    for name, st in stages.items():
+        for dep in st.get("deps", []):
+            if dep in outs or dep in ignored or "${" in dep:
+                continue
+            assert (REPO / dep).exists(), f"{name}: dep {dep} does not exist"
+
+
 def test_import_closure_follows_lazy_imports(tmp_path, monkeypatch) -> None:
     pkg = tmp_path / "reprotune"
     pkg.mkdir()

@@ -64,7 +64,7 @@ class Stage:
 
 LOCKS = ["lockfiles/cpu.txt", "lockfiles/cuda.txt"]
 LLAMA_CPP = ["lockfiles/llama-cpp.txt", "lockfiles/llama-cpp-build.txt", "scripts/build_llama_cpp.sh",
-             "scripts/llama_cpp_no_common.cmake"]
+             "scripts/llama_cpp_project.cmake"]
 # manifests carry timings, so they differ run to run: cached (not in git) so 'make verify RUN=<rev>' finds them
 STAGES: dict[str, Stage] = {
     "prepare": Stage("prepare", "Validate, convert, scrub PII, split: data.path -> data/prepared",
