@@ -210,7 +210,9 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.cards:
-        card_table(args.model, [o for o in args.overrides if o.startswith("model.")])
+        # every override reaches the plan (repro=fast, hardware.host_memory_budget_gib=48, model.*): the search
+        # used to keep only model.* ones, so `-- repro=fast` planned the default
+        card_table(args.model, list(args.overrides))
         return
     from reprotune.config import compose
     from reprotune.models import resolve_model_dir

@@ -95,3 +95,24 @@ def test_default_with_offloading_is_byte_identical(workspace: tuple[Path, list[s
     assert [r["run_settings"]["activation_offloading"] for r in runs] == [True, True, False]
     shas = [r["outputs"]["adapter"]["sha256"] for r in runs]
     assert shas[0] == shas[1] == shas[2], shas
+
+
+def test_offloading_some_layers_gives_the_same_bits_between_none_and_all() -> None:
+    """hardware.offload_layers (issue #48): with the first half of the layer inputs offloaded and the rest kept by
+    reprotune.offload_layers' hooks under TRL's real OffloadActivations, loss and gradients are the plain run's bits,
+    and the GPU peak lies between offloading all and none. (Written
+    with the CPU test of the hooks, tests/test_host_memory.py; not yet run on a card when committed.)"""
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    from reprotune.offload_layers import keep_layer_inputs
+
+    model = _model()
+    ids = torch.randint(0, 512, (1, TOKENS), device="cuda")
+    loss, grads, peak = _step(model, ids, lambda m: contextlib.nullcontext())
+    _, _, all_peak = _step(model, ids, get_act_offloading_ctx_manager)
+    with keep_layer_inputs(model, LAYERS // 2) as kept:
+        assert kept == LAYERS - LAYERS // 2
+        h_loss, h_grads, half_peak = _step(model, ids, get_act_offloading_ctx_manager)
+    assert torch.equal(loss, h_loss)
+    assert all(torch.equal(h_grads[n], g) for n, g in grads.items())
+    assert all_peak < half_peak < peak, (all_peak, half_peak, peak)

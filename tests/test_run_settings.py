@@ -8,7 +8,8 @@ re-recorded when the tiles' own cost was measured (8B Llama-shape LoRA/DoRA, 4x4
 offloading instead of 4 offloaded rows in 4,096-token tiles); 34 "huge" (32k-token) rows re-recorded when the
 memory model counted FlashAttention's deterministic backward's dQ accumulators (issue #51: ceil(SMs / (sequences x
 heads)) fp32 copies of dQ; a micro-batch of one or two 32k sequences gets several), all toward more checkpointing,
-offloading, or a stop with QLoRA suggested). No GPU:
+offloading, or a stop with QLoRA suggested; 39 offloading rows re-recorded for issue #48, the card before the host:
+each offloads only the first layers' inputs that its card cannot keep, every other choice the same). No GPU:
 a described card drives the CUDA branch."""
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ class Settings:
     # long context (issue #27), both only with every layer checkpointed:
     offload: bool = False     # TRL's activation offloading: the checkpointed layer inputs wait in pinned host memory
     tiled_mlp: int = 0        # the MLP runs over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
+    # with offload: how many layer inputs go to the host, the first layers' (the rest stay on the GPU: the card
+    # before the host, issue #48); 0: every layer's
+    offload_layers: int = 0
     # padded preference batches (TRL 1.16's DPO/ORPO/KTO collators, issue #26; DPO's packed pairs are packed rows):
     sequences: int = 1        # padded rows per example: 2 for a DPO/ORPO pair (prompt + chosen, prompt + rejected)
     reference: bool = False   # DPO's/KTO's reference forward over the same rows, under no_grad, while the policy's
@@ -60,6 +63,7 @@ class RunSettings:
     activation_checkpointing: bool
     checkpoint_every_n_layers: int   # transformers' every_n_layers: 1 = every decoder layer
     activation_offloading: bool      # TRL's: the checkpointed layer inputs wait in pinned host memory
+    offload_layers: int              # with it: the first N decoder layers' inputs offloaded, the rest kept (0: all)
     tiled_mlp_tokens: int            # the MLP over tiles of this many tokens (reprotune.tiled_mlp); 0: whole
     embedding_on_host: bool          # the frozen input embedding stays in host memory (reprotune.host_embedding)
     dataloader_workers: int          # processes that collate the batches (0: the training process)
@@ -70,6 +74,7 @@ class RunSettings:
     process_accumulation: int        # what each of world_size processes accumulates
     global_batch: str
     budget_bytes: float | None       # what the run may take of the GPU (None: no GPU)
+    host_budget_bytes: float | None  # what offloading may take of host memory (None: not checked)
     planned: Settings | None         # the memory model's view of this run (None: shape unknown)
     predicted: dict[str, Any] | None  # its predicted memory on this hardware (CUDA only)
     fits: bool                       # the predicted need fits the free memory (always true off CUDA)

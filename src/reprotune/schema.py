@@ -79,6 +79,8 @@ CHOICES: dict[str, Choice] = {
     "hardware.norm_kernel": Choice(("auto", *NORM_KERNELS), null=True),
     "hardware.fused_lora": AUTO_ON_OFF,
     "hardware.activation_offloading": AUTO_ON_OFF,
+    "hardware.offload_layers": Choice(("auto",), number=int, minimum=1, null=True),
+    "hardware.host_memory_budget_gib": Choice(("auto",), number=float, null=True),
     "hardware.tiled_mlp": AUTO_ON_OFF,
     "hardware.embedding_on_host": AUTO_ON_OFF,
     "hardware.dataloader_workers": Choice(("auto",), number=int, null=True),

@@ -289,6 +289,7 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
 
     from reprotune.fused_lora import fused_lora
     from reprotune.host_embedding import embedding_on_host
+    from reprotune.offload_layers import keep_layer_inputs
     from reprotune.tiled_mlp import tiled_mlp
     from reprotune.trainable_tokens import merged_head_view
 
@@ -307,9 +308,13 @@ def fit(trainer, run: RunSettings, resume_from: str | None) -> float:
         if fused_layers:
             log.info("fused LoRA sum in %d layers", fused_layers)
         apply_liger(trainer.model, active=run.liger, norm=run.norm_kernel)
-        with tiled_mlp(trainer.model, run.tiled_mlp_tokens) as tiled_layers:  # after Liger: it wraps Liger's MLP
+        with (tiled_mlp(trainer.model, run.tiled_mlp_tokens) as tiled_layers,  # after Liger: it wraps Liger's MLP
+              keep_layer_inputs(trainer.model, run.offload_layers if run.activation_offloading else 0) as kept):
             if tiled_layers:
                 log.info("MLP over %d-token tiles in %d layers", run.tiled_mlp_tokens, tiled_layers)
+            if kept:
+                log.info("activation offloading: the first %d layers' inputs to the host, %d layers keep theirs on "
+                         "the GPU", run.offload_layers, kept)
             trainer.train(resume_from_checkpoint=resume_from)
     return time.time() - started
 

@@ -4,6 +4,7 @@
     memory.py       the memory model: predicted peak GPU memory by part; the budget a run may take of a card
     throughput.py   the throughput model: tokens/s on the H200 (others scaled), steps and tokens of a run
     fit.py          the candidate settings of a run and the fastest of those that fit
+    host.py         host memory as a budget: MemAvailable, hardware.host_memory_budget_gib, hardware.offload_layers
     decide.py       the one decision: a run's settings from the config and a hardware description, with reasons
     preflight.py    make train's check on the GPU it runs on: decide, write outputs/train/plan.json, stop if over
     report.py       the plan (outputs/plan.json and its text): memory, fit table, time and cost, warnings

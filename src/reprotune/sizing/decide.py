@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -32,6 +31,7 @@ from reprotune.objectives import Objective
 from reprotune.run import Run, dtype_for, resolve
 from reprotune.run_settings import RunSettings, Settings
 from reprotune.runtime import attention, deterministic_kernels
+from reprotune.sizing import host as host_memory
 from reprotune.sizing.fit import TILE_TOKENS, describe, fit_to_budget, fits_host, fitting_setting
 from reprotune.sizing.memory import (
     GIB,
@@ -62,7 +62,7 @@ class Hardware:
     world_size: int = 1
     # torch's FlashAttention varlen kernel (torch >= 2.10 on sm80+: every card of conf/plan/throughput.yaml)
     varlen_attention: bool = True
-    host_available_bytes: float | None = None  # host memory offloaded activations may take (None: not checked)
+    host_available_bytes: float | None = None  # this host's MemAvailable (None: not known, a described card)
     multiprocessors: int = 0  # the GPU's SM count (FlashAttention's deterministic backward sizes its dQ sums by it)
 
 
@@ -87,20 +87,8 @@ def detect(device: str) -> Hardware:
     return Hardware(device="cuda", free_bytes=float(torch.cuda.mem_get_info()[0]),
                     name=torch.cuda.get_device_name(), liger_installed=liger_available(), world_size=world,
                     varlen_attention=varlen_attention.available() and torch.cuda.get_device_capability() >= (8, 0),
-                    host_available_bytes=host_available_bytes(world),
+                    host_available_bytes=host_memory.host_available_bytes(world),
                     multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count)
-
-
-def host_available_bytes(processes: int = 1) -> float | None:
-    """This host's available memory (/proc/meminfo's MemAvailable), shared by the processes of the run."""
-    try:
-        lines = Path("/proc/meminfo").read_text(encoding="ascii").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024 / max(1, processes)
-    return None
 
 
 def _auto(value: Any) -> bool:
@@ -359,6 +347,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     mask_repeats_kv=attn not in ("eager", "pair_dense") and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
+                    offload_layers=(host_memory.configured_offload_layers(cfg) or 0) if offload else 0,
                     tiled_mlp=tile_tokens(cfg) if tiled else 0,
                     host_embedding=_forced_on(cfg.hardware.embedding_on_host), dq_split_sms=p.dq_split_sms, **padded)
 
@@ -402,13 +391,14 @@ class _Fitted:
     host: bool | None
     planned: Settings | None
     budget: float | None = None
+    host_budget: float | None = None  # what offloading may take of host memory (None: not checked)
     predicted: dict[str, Any] | None = None
     fits: bool = True
     fallback: Settings | None = None
     fallback_gib: float | None = None
 
 
-def _fit_reasons(hw: Hardware, shape: Shape, data: DataShape | None, planned: Settings,
+def _fit_reasons(host_bytes: float | None, shape: Shape, data: DataShape | None, planned: Settings,
                  predicted: dict[str, Any]) -> list[str]:
     """The plan's lines for what the fit switched on: drawn micro-batches, the host embedding, offloading, tiles."""
     reasons = []
@@ -421,9 +411,10 @@ def _fit_reasons(hw: Hardware, shape: Shape, data: DataShape | None, planned: Se
         reasons.append(f"input embedding on the host: {freed / GIB:.2f} GiB of GPU memory for activations, its "
                        "rows gathered there and copied to the GPU each forward (the same values)")
     if planned.offload:
-        reasons.append(f"activation offloading: {predicted['host_offload_gib']} GiB of pinned host memory"
-                       + (f" of {hw.host_available_bytes / GIB:.1f} GiB available"
-                          if hw.host_available_bytes else ""))
+        reasons.append(f"activation offloading: the inputs of {predicted['offloaded_layers']} of "
+                       f"{predicted['layers']} layers, {predicted['host_offload_gib']} GiB of pinned host memory"
+                       + (f" of a {host_bytes / GIB:.1f} GiB host budget" if host_bytes is not None else
+                          " (host budget not checked: hardware.host_memory_budget_gib)"))
     if planned.tiled_mlp:
         reasons.append(f"MLP in {planned.tiled_mlp}-token tiles: its intermediates live for one tile at a time")
     return reasons
@@ -435,23 +426,25 @@ def _fit_on_gpu(cfg: DictConfig, hw: Hardware, p: _Paths, shape: Shape, data: Da
     smallest card it would fit on (fallback)."""
     consts = load_table("memory.yaml")
     budget = min(memory_budget(cfg, hw.free_bytes), hw.free_bytes)
+    host = host_memory.host_budget(cfg, hw.host_available_bytes)
     planned, predicted = fit_to_budget(f.planned, not _auto(f.ckpt), shape, data, budget, consts, f.offload, tiled,
-                                       hw.host_available_bytes, configured_tile(cfg), f.host)
-    fits = needed_bytes(predicted, consts) <= hw.free_bytes and fits_host(predicted, hw.host_available_bytes)
+                                       host, configured_tile(cfg), f.host, host_memory.configured_offload_layers(cfg))
+    fits = needed_bytes(predicted, consts) <= hw.free_bytes and fits_host(predicted, host)
     fallback = fallback_gib = None
     if not fits:
         found = fitting_setting(shape, replace(_memory_view(cfg, p), checkpointing=True), data,
-                                hw.free_bytes / GIB, consts, f.offload, tiled, hw.host_available_bytes,
-                                configured_tile(cfg), f.host)
+                                hw.free_bytes / GIB, consts, f.offload, tiled, host,
+                                configured_tile(cfg), f.host, host_memory.configured_offload_layers(cfg))
         fallback, fallback_gib = (found[0], found[1]["card_gib"]) if found else (None, None)
     if _auto(f.ckpt):
         f = replace(f, rows=planned.batch_size, accum=planned.grad_accum, ckpt=planned.checkpointing,
                     every=planned.ckpt_every)
         reasons.append(f"plan: {describe(planned)}: predicted {predicted['peak_gib']} GiB peak of a "
                        f"{budget / GIB:.1f} GiB budget")
-    reasons += _fit_reasons(hw, shape, data, planned, predicted)
+    reasons += _fit_reasons(host, shape, data, planned, predicted)
     return replace(f, offload=planned.offload, tile=planned.tiled_mlp, host=planned.host_embedding, planned=planned,
-                   budget=budget, predicted=predicted, fits=fits, fallback=fallback, fallback_gib=fallback_gib)
+                   budget=budget, host_budget=host, predicted=predicted, fits=fits, fallback=fallback,
+                   fallback_gib=fallback_gib)
 
 
 def _run_settings(cfg: DictConfig, hw: Hardware, p: _Paths, f: _Fitted, reasons: list[str]) -> RunSettings:
@@ -462,10 +455,12 @@ def _run_settings(cfg: DictConfig, hw: Hardware, p: _Paths, f: _Fitted, reasons:
                        attn_implementation=p.attn, liger=p.liger, norm_kernel=p.norm, fused_lora=p.fused, optim=p.optim,
                        dynamic_shapes=p.attn == "flex_attention", activation_checkpointing=ckpt,
                        checkpoint_every_n_layers=f.every if ckpt else 1, activation_offloading=bool(f.offload),
+                       offload_layers=f.planned.offload_layers if f.offload and f.planned else 0,
                        tiled_mlp_tokens=f.tile, embedding_on_host=bool(f.host), dataloader_workers=p.workers,
                        per_device_train_batch_size=f.rows,
                        gradient_accumulation_steps=f.accum, world_size=hw.world_size, strategy=strategy,
                        process_accumulation=process_accum, global_batch=batch_line, budget_bytes=f.budget,
+                       host_budget_bytes=f.host_budget,
                        planned=f.planned, predicted=f.predicted, fits=f.fits, fallback=f.fallback,
                        fallback_card_gib=f.fallback_gib, reasons=tuple(reasons))
 
@@ -490,6 +485,7 @@ def decide(cfg: DictConfig, hw: Hardware, shape: Shape | None = None,
         lines, data = packed_reasons(cfg, p.obj, data)
         reasons += lines
     offload, tiled = long_context_switches(cfg, hw.device, p.obj)
+    host_memory.check_offload_layers(cfg, offload, shape)
     f = _Fitted(rows=rows, accum=accum, ckpt=cfg.hardware.gradient_checkpointing, every=every_n_layers(cfg), offload=offload,
                 tile=tile_tokens(cfg) if tiled else 0, host=embedding_switch(cfg, hw, shape, p.obj),
                 planned=_memory_view(cfg, p, data) if shape else None)

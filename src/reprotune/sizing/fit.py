@@ -32,14 +32,16 @@ def long_context_options(s: Settings) -> list[Settings]:
 
 
 def allowed(cands: list[Settings], offload: bool | None, tiled: bool | None,
-            tile: int | None = None) -> list[Settings]:
+            tile: int | None = None, offload_layers: int | None = None) -> list[Settings]:
     """The candidates hardware.activation_offloading / hardware.tiled_mlp allow (None: auto, either); tile
-    (hardware.tiled_mlp_tokens): the one tile size a tiled candidate may use."""
+    (hardware.tiled_mlp_tokens): the one tile size a tiled candidate may use; offload_layers
+    (hardware.offload_layers): how many layer inputs an offloading candidate sends to the host (None: the fit's)."""
     out: list[Settings] = []
     for c in cands:
         if (offload is not None and c.offload != offload) or (tiled is not None and bool(c.tiled_mlp) != tiled):
             continue
         c = replace(c, tiled_mlp=tile) if tile and c.tiled_mlp else c
+        c = replace(c, offload_layers=offload_layers) if offload_layers and c.offload else c
         if c not in out:
             out.append(c)
     return out
@@ -103,17 +105,42 @@ def with_host_embedding(cands: list[Settings], host: bool | None) -> list[Settin
 
 
 def fits_host(mem: dict[str, Any], host_bytes: float | None) -> bool:
-    """Offloaded activations fit the host's available memory (None: unknown, a described card: not checked)."""
+    """Offloaded activations fit the host budget (None: not checked, e.g. a card make plan only describes)."""
     return host_bytes is None or mem["host_offload_gib"] * GIB <= host_bytes
+
+
+def card_need(shape: Shape, s: Settings, data: DataShape | None, consts: dict[str, Any]) -> float:
+    """What `s` needs free on the card (reserved peak + CUDA context + margin), bytes."""
+    return needed_bytes(memory(shape, count_params(shape, list(s.targets), s.r, s.dora), s, data, consts), consts)
+
+
+def fewest_offloaded(shape: Shape, s: Settings, data: DataShape | None, capacity_bytes: float,
+                     consts: dict[str, Any]) -> Settings:
+    """The card before the host (issue #48): an offloading candidate that sends every layer input to the host, with
+    as few of them sent (the first layers'; the rest stay on the GPU) as still fit the card. The card's need falls
+    as more go, so a bisection finds the fewest; unchanged when it does not fit with all of them offloaded, or when
+    hardware.offload_layers fixed the number."""
+    if not s.offload or s.offload_layers or card_need(shape, s, data, consts) > capacity_bytes:
+        return s
+    lo, hi = 1, shape.layers  # hi: fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if card_need(shape, replace(s, offload_layers=mid), data, consts) <= capacity_bytes:
+            hi = mid
+        else:
+            lo = mid + 1
+    return s if hi >= shape.layers else replace(s, offload_layers=hi)
 
 
 def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None, capacity_bytes: float,
                     consts: dict[str, Any], throughput: dict[str, Any],
                     host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]] | None:
-    """Of the candidates whose card need (and host need, offloaded) fits, the one the throughput model predicts
-    fastest (the earlier one on a tie); None when none fits."""
+    """Of the candidates whose card need and host need (offloaded: host_bytes, the host budget) both fit, the one
+    the throughput model predicts fastest (the earlier one on a tie); an offloading candidate offloads only the
+    layer inputs the card cannot keep (fewest_offloaded). None when none fits."""
     best = None
     for cand in cands:
+        cand = fewest_offloaded(shape, cand, data, capacity_bytes, consts)
         mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
         if needed_bytes(mem, consts) > capacity_bytes or not fits_host(mem, host_bytes):
             continue
@@ -126,13 +153,14 @@ def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None,
 def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_gib: float,
                     consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
                     host_bytes: float | None = None, tile: int | None = None,
-                    host_embedding: bool | None = False) -> tuple[Settings, dict[str, Any]] | None:
-    """What fits a card: the fastest fitting setting of the configured method (larger micro-steps, then
-    candidate_settings' ladder), else of the ladder's QLoRA fallback; offload/tiled/host_embedding: as
-    fit_to_budget's."""
+                    host_embedding: bool | None = False,
+                    offload_layers: int | None = None) -> tuple[Settings, dict[str, Any]] | None:
+    """What fits a card (and the host budget): the fastest fitting setting of the configured method (larger
+    micro-steps, then candidate_settings' ladder), else of the ladder's QLoRA fallback; offload/tiled/
+    host_embedding/offload_layers: as fit_to_budget's."""
     throughput = load_table("throughput.yaml")
     for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
-        cands = with_host_embedding(allowed(cands, offload, tiled, tile), host_embedding)
+        cands = with_host_embedding(allowed(cands, offload, tiled, tile, offload_layers), host_embedding)
         found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput, host_bytes)
         if found:
             return found
@@ -142,21 +170,33 @@ def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_
 def fit_to_budget(s: Settings, forced: bool, shape: Shape, data: DataShape | None, budget_bytes: float,
                   consts: dict[str, Any], offload: bool | None = None, tiled: bool | None = None,
                   host_bytes: float | None = None, tile: int | None = None,
-                  host_embedding: bool | None = False) -> tuple[Settings, dict[str, Any]]:
+                  host_embedding: bool | None = False,
+                  offload_layers: int | None = None) -> tuple[Settings, dict[str, Any]]:
     """The setting the throughput model predicts fastest among those whose card need fits the budget (the same
     global batch in larger packed micro-steps, then candidate_settings' ladder; the method is never changed),
     else the ladder's smallest; `s` as it is when checkpointing is forced (hardware.gradient_checkpointing).
     offload/tiled: hardware.activation_offloading / hardware.tiled_mlp when set (None: auto); host_bytes: the
     host memory offloading may take (None: not checked); tile: hardware.tiled_mlp_tokens when set;
-    host_embedding: the input embedding on the host (True), on the GPU (False), either (None; forced: the GPU)."""
+    host_embedding: the input embedding on the host (True), on the GPU (False), either (None; forced: the GPU);
+    offload_layers: hardware.offload_layers when set (None: an offloading candidate offloads what the card cannot
+    keep)."""
     cands = ([replace(s, host_embedding=bool(host_embedding))] if forced
-             else with_host_embedding(allowed(same_method_candidates(s), offload, tiled, tile), host_embedding))
+             else with_host_embedding(allowed(same_method_candidates(s), offload, tiled, tile, offload_layers),
+                                      host_embedding))
     if not forced:
         found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"), host_bytes)
         if found:
             return found
     last = cands[-1]
     return last, memory(shape, count_params(shape, list(last.targets), last.r, last.dora), last, data, consts)
+
+
+def both_budgets(card_gib: float, budget_gib: float, host_gib: float, host_budget_gib: float | None) -> str:
+    """The two numbers a refusal names (issue #48): what the smallest setting needs of the card and of the host,
+    each against its budget."""
+    host = (f"host budget {host_budget_gib:.1f} GiB (hardware.host_memory_budget_gib)" if host_budget_gib is not None
+            else "host budget not checked")
+    return f"needs {card_gib} GiB of the card (budget {budget_gib:.1f} GiB) and {host_gib} GiB of host memory ({host})"
 
 
 def checkpointing_words(checkpointing: bool, every: int) -> str:
@@ -170,7 +210,8 @@ def describe(s: Settings) -> str:
         tokens = f"bs {s.batch_size} pairs ({s.batch_size * s.sequences} padded rows)"
     else:
         tokens = f"bs {s.batch_size}"
-    long = ((", activations offloaded to host" if s.offload else "")
+    offloaded = f" (the first {s.offload_layers} layers' inputs)" if s.offload_layers else ""
+    long = ((f", activations offloaded to host{offloaded}" if s.offload else "")
             + (f", MLP in {s.tiled_mlp}-token tiles" if s.tiled_mlp else "")
             + (", input embedding on the host" if s.host_embedding else ""))
     return (f"{s.method}{' (NF4)' if s.load_in_4bit else ''}, checkpointing {checkpointing_words(s.checkpointing, s.ckpt_every)}"
@@ -186,6 +227,8 @@ def overrides_for(s: Settings, base: Settings) -> list[str]:
         out.append(f"++train.activation_checkpointing_kwargs.every_n_layers={s.ckpt_every}")
     if s.offload != base.offload:
         out.append(f"hardware.activation_offloading={str(s.offload).lower()}")
+    if s.offload and s.offload_layers and s.offload_layers != base.offload_layers:
+        out.append(f"hardware.offload_layers={s.offload_layers}")
     if bool(s.tiled_mlp) != bool(base.tiled_mlp):
         out.append(f"hardware.tiled_mlp={str(bool(s.tiled_mlp)).lower()}")
     if s.host_embedding != base.host_embedding:

@@ -111,13 +111,22 @@ def layer_activation_bytes(shape: Shape, s: Settings, consts: dict[str, Any]) ->
     return sum(layer_activation_parts(shape, s, consts))
 
 
-def host_offload_bytes(shape: Shape, kept_input: float, consts: dict[str, Any]) -> float:
-    """Pinned host memory of offloaded activations: every layer input (and a few tensors around the layers), each
-    a block of torch's caching host allocator, which rounds a request up to a power of two; plus what the
-    training process itself holds in host memory."""
+def offloaded_layers(shape: Shape, s: Settings) -> int:
+    """Decoder layers whose checkpointed input goes to host memory: none without offloading, else
+    s.offload_layers of them (0: every layer's)."""
+    if not s.offload:
+        return 0
+    return min(shape.layers, s.offload_layers) if s.offload_layers else shape.layers
+
+
+def host_offload_bytes(shape: Shape, kept_input: float, consts: dict[str, Any], layers: int | None = None) -> float:
+    """Pinned host memory of offloaded activations: each offloaded layer input (default: every layer's; and a few
+    tensors around the layers), each a block of torch's caching host allocator, which rounds a request up to a
+    power of two; plus what the training process itself holds in host memory."""
     o = consts["activations"]["offload"]
     block = 2 ** math.ceil(math.log2(max(kept_input, 1.0)))
-    return (shape.layers + o["host_extra_tensors"]) * block + o["host_process_gib"] * GIB
+    layers = shape.layers if layers is None else layers
+    return (layers + o["host_extra_tensors"]) * block + o["host_process_gib"] * GIB
 
 
 def mlp_tokens(s: Settings, tokens: int) -> int:
@@ -181,12 +190,13 @@ def activation_bytes(shape: Shape, s: Settings, tokens: int, consts: dict[str, A
                                      * mlp_tokens(s, tokens))
     kept_input = a["checkpointed_h_coef"] * shape.hidden * tokens * s.dtype_bytes / 2  # one layer's bf16 input
     # offloaded, the layer inputs wait in host memory; the GPU holds the few in flight (TRL's forward stash, the
-    # backward's prefetch)
-    on_gpu = a["offload"]["live_layers"] if s.offload else shape.layers
+    # backward's prefetch) and, offloading only some (issue #48), the inputs of the layers kept
+    off = offloaded_layers(shape, s)
+    on_gpu = shape.layers - off + min(off, a["offload"]["live_layers"])
     return {
         "no_checkpointing": shape.layers * (layer + eager_layer) + base,
         "checkpointing": on_gpu * kept_input + base,
-        "offloaded_host": host_offload_bytes(shape, kept_input, consts) if s.offload else 0.0,
+        "offloaded_host": host_offload_bytes(shape, kept_input, consts, off) if off else 0.0,
         "recompute_layer": recompute + eager_layer,
         "backward_transient": backward * s.dtype_bytes / 2 + dq_split_bytes(shape, s, tokens),
         "recomputed_backward_transient": recompute_backward * s.dtype_bytes / 2 + dq_split_bytes(shape, s, tokens),
@@ -249,6 +259,7 @@ def memory(shape: Shape, p: Params, s: Settings, data: DataShape | None,
             "reserved_gib": round(reserved / GIB, 2),
             "card_gib": round((reserved + o["cuda_context_gib"] * GIB) / GIB, 2),
             "host_offload_gib": round(act["offloaded_host"] / GIB, 2),
+            "offloaded_layers": offloaded_layers(shape, s), "layers": shape.layers,
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
 
 

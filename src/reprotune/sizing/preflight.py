@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings
 from reprotune.sizing.decide import Hardware, configured_settings, decide
-from reprotune.sizing.fit import describe, overrides_for
+from reprotune.sizing.fit import both_budgets, describe, overrides_for
 from reprotune.sizing.memory import GIB
 from reprotune.sizing.report import make_plan, write_plan
 from reprotune.sizing.shape import PlanError, Shape, model_shape, shape_from_config
@@ -37,6 +37,22 @@ def train_shape(cfg: DictConfig, model_dir: str | Path) -> Shape | None:
             return None
 
 
+def refusal(cfg: DictConfig, hw: Hardware, run: RunSettings, resolved: Run) -> str:
+    """Why the run cannot start here, in one line: over the card, or (issue #48) over the host budget, naming what
+    the smallest setting needs of each against its budget; with the overrides that would fit the whole free card
+    and the host, where some do."""
+    p, other = run.predicted, run.fallback
+    hint = (f"settings that fit: {' '.join(overrides_for(other, configured_settings(cfg, hw, resolved)))} "
+            f"({run.fallback_card_gib} GiB)" if other else "")
+    if run.host_budget_bytes is not None and p["host_offload_gib"] * GIB > run.host_budget_bytes:
+        budget = min(run.budget_bytes or hw.free_bytes, hw.free_bytes)
+        return (f"nothing fits both budgets on {hw.name}: the smallest setting ({describe(run.planned)}) "
+                + both_budgets(p["card_gib"], budget / GIB, p["host_offload_gib"], run.host_budget_bytes / GIB)
+                + f"; {hint or 'a larger host budget, a shorter train.max_length, or a larger card'}")
+    return (f"predicted {p['card_gib']} GiB (peak {p['peak_gib']} GiB allocated) > {hw.free_bytes / GIB:.1f} GiB "
+            f"free on {hw.name}; {hint or 'nothing fits this GPU; use a larger card (make plan shows which)'}")
+
+
 def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None, resolved: Run | None = None) -> RunSettings:
     """The run's settings on `hw`, written to outputs/train/plan.json (on a GPU with the whole plan for it); exit 2
     (one line, with the overrides that would fit) when the predicted need is over the free memory. resolved: train's
@@ -50,12 +66,7 @@ def preflight(cfg: DictConfig, hw: Hardware, shape: Shape | None, resolved: Run 
         return run
     write_plan(make_plan(cfg, hw, shape, run, resolved) | {"run_settings": run.as_record()}, out)
     if not run.fits:
-        other = run.fallback
-        hint = (f"settings that fit: {' '.join(overrides_for(other, configured_settings(cfg, hw, resolved)))} "
-                f"({run.fallback_card_gib} GiB)"
-                if other else "nothing fits this GPU; use a larger card (make plan shows which)")
-        print(f"train: preflight: predicted {run.predicted['card_gib']} GiB (peak {run.predicted['peak_gib']} GiB "
-              f"allocated) > {hw.free_bytes / GIB:.1f} GiB free on {hw.name}; {hint}", file=sys.stderr)
+        print(f"train: preflight: {refusal(cfg, hw, run, resolved)}", file=sys.stderr)
         raise SystemExit(2)
     log.info("preflight: plan: %s: predicted %s GiB peak of a %.1f GiB budget (%.1f GiB free)", describe(run.planned),
              run.predicted["peak_gib"], run.budget_bytes / GIB, hw.free_bytes / GIB)

@@ -26,7 +26,7 @@ from reprotune.sizing.decide import (
     preference_padded_on,
 )
 from reprotune.sizing.draws import run_keys
-from reprotune.sizing.fit import checkpointing_words, describe, overrides_for
+from reprotune.sizing.fit import both_budgets, checkpointing_words, describe, overrides_for
 from reprotune.sizing.memory import GIB, memory, weight_bytes
 from reprotune.sizing.shape import (
     BUILTIN_TOKENIZER_VOCAB,
@@ -126,12 +126,33 @@ def time_and_cost(cfg: DictConfig, resolved: Run, shape: Shape, base: Settings, 
 
 def fit_row(decided: RunSettings, base: Settings, gpu: str) -> dict[str, Any]:
     """One card of the fit table: what make train picks there, or, where it stops, what its preflight suggests."""
+    host = {"host_gib": decided.predicted["host_offload_gib"],
+            "host_budget_gib": host_gib(decided.host_budget_bytes)}
     if decided.fits:
         return {"gpu": gpu, "setting": describe(decided.planned), "overrides": overrides_for(decided.planned, base),
-                "peak_gib": decided.predicted["peak_gib"], "card_gib": decided.predicted["card_gib"]}
+                "peak_gib": decided.predicted["peak_gib"], "card_gib": decided.predicted["card_gib"], **host}
     other = decided.fallback
     return {"gpu": gpu, "setting": None, "fits_with": describe(other) if other else None,
-            "overrides": overrides_for(other, base) if other else []}
+            "overrides": overrides_for(other, base) if other else [],
+            # the smallest setting's needs, against both budgets (refusal_line)
+            "smallest": describe(decided.planned), "card_gib": decided.predicted["card_gib"],
+            "budget_gib": round(decided.budget_bytes / GIB, 1), **host}
+
+
+def host_gib(budget: float | None) -> float | None:
+    return None if budget is None else round(budget / GIB, 1)
+
+
+def over_host(row: dict[str, Any]) -> bool:
+    """A card's row stops on the host budget (issue #48): its smallest setting needs more host memory than that."""
+    return (not row["setting"] and row.get("host_budget_gib") is not None
+            and row["host_gib"] > row["host_budget_gib"])
+
+
+def host_words(row: dict[str, Any]) -> str:
+    """A fit row's host memory: pinned offloaded activations, against the host budget where there is one."""
+    budget = row.get("host_budget_gib")
+    return f"host {row['host_gib']} GiB" + (f" of {budget}" if budget is not None else "")
 
 
 def fit_table(cfg: DictConfig, resolved: Run, shape: Shape, data: DataShape | None, base: Settings,
@@ -171,7 +192,8 @@ def make_plan(cfg: DictConfig, hw: Hardware | None = None, shape: Shape | None =
                                                                                           host_embedding=False),
                                                                                consts))}},
         "settings": asdict(s) | {"gradient_checkpointing_setting": str(cfg.hardware.gradient_checkpointing),
-                                 "budget_gib": round(budget / GIB, 1), "device": hw.device if hw else None},
+                                 "budget_gib": round(budget / GIB, 1), "device": hw.device if hw else None,
+                                 "host_budget_gib": host_gib(run.host_budget_bytes)},
         "memory": mem,
         "memory_other_checkpointing": mem_other,
         "fit": fit,
@@ -203,8 +225,9 @@ def format_plan(plan: dict[str, Any]) -> str:
              + (", input embedding on the host (hardware.embedding_on_host)" if s.get("host_embedding") else ""),
              f"  predicted peak GPU memory: {mem['peak_gib']} GiB allocated, {mem['reserved_gib']} GiB reserved, "
              f"{mem['card_gib']} GiB on the card"
-             + (f"; host memory for the offloaded activations: {mem['host_offload_gib']} GiB (pinned)"
-                if mem.get("host_offload_gib") else ""),
+             + f"; host memory (pinned offload): {mem['host_offload_gib']} GiB"
+             + (f" of a {s['host_budget_gib']} GiB host budget" if s.get("host_budget_gib") is not None
+                else " (host budget not checked for a described card: set hardware.host_memory_budget_gib)"),
              *[f"    {k.replace('_', ' '):32s} {v:8.2f} GiB" for k, v in mem["parts_gib"].items()],
              f"    (checkpointing {'off' if s['checkpointing'] else 'on'} instead: "
              f"{plan['memory_other_checkpointing']['peak_gib']} GiB)",
@@ -212,8 +235,11 @@ def format_plan(plan: dict[str, Any]) -> str:
              *[f"  {r.removeprefix('plan: ')}" for r in plan.get("reasons", []) if r.startswith("plan: padded pairs:")],
              "  fits:"]
     for size, row in plan["fit"].items():
-        other = f"; fits with {' '.join(row['overrides'])}" if row.get("fits_with") else ""
-        lines.append(f"    {size:7s} ({row['gpu']:8s}) " + (f"{row['setting']}: {row['peak_gib']} GiB peak"
+        other = (f": {row['smallest']} " + both_budgets(row["card_gib"], row["budget_gib"], row["host_gib"],
+                                                         row["host_budget_gib"]) if over_host(row) else "")
+        other += f"; fits with {' '.join(row['overrides'])}" if row.get("fits_with") else ""
+        lines.append(f"    {size:7s} ({row['gpu']:8s}) " + (f"{row['setting']}: GPU {row['peak_gib']} GiB peak "
+                                                           f"({row['card_gib']} on the card), {host_words(row)}"
                                                            if row["setting"] else f"does not fit{other}"))
     run = plan["run"]
     if run:

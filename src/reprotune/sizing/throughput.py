@@ -20,6 +20,7 @@ from reprotune.flops import (
 from reprotune.objectives import Objective
 from reprotune.run_settings import Settings
 from reprotune.sizing.draws import run_keys
+from reprotune.sizing.memory import offloaded_layers
 from reprotune.sizing.shape import DataShape, Shape
 
 
@@ -85,7 +86,7 @@ def step_work(shape: Shape, s: Settings, data: DataShape | None) -> StepWork:
     recompute = k / shape.layers + extra  # a forward without gradients costs what a recomputed forward does
     flops = lora_step_flops_per_token(config, step.context, recompute, tiled_mlp=bool(s.tiled_mlp))
     attention = (3 + recompute) * attention_flops_per_token(config, step.context)
-    offloaded = shape.layers * shape.hidden * s.dtype_bytes * step.computed if s.offload else 0.0
+    offloaded = offloaded_layers(shape, s) * shape.hidden * s.dtype_bytes * step.computed  # issue #48: some, or all
     sequence = step.computed if s.packing else step.computed / (s.batch_size * s.sequences)  # tiles split it
     tiles = 2 * shape.layers * math.ceil(sequence / s.tiled_mlp) if s.tiled_mlp and sequence > s.tiled_mlp else 0
     # the input embedding on the host: every forward (with gradients, and each without) gathers its rows there
