@@ -43,9 +43,10 @@ def compose_argv(argv: list[str]) -> DictConfig:
 
 
 # reprotune's own keys in the groups handed whole to a library (train/: SFTConfig or the objective's TRL config;
-# method/: peft.LoraConfig; objective/: DPOConfig, ORPOConfig, KTOConfig): every other key is the library's.
+# method/: peft.LoraConfig; objective/: DPOConfig, ORPOConfig, KTOConfig, GRPOConfig): every other key is the
+# library's. objective.rewards: GRPO's reward functions (reprotune.rl.rewards), TRL's reward_funcs argument.
 OWN_KEYS: dict[str, tuple[str, ...]] = {"train": ("run",), "method": ("name", "quantization"),
-                                        "objective": ("name", "init_adapter")}
+                                        "objective": ("name", "init_adapter", "rewards")}
 
 
 def library_keys(cfg: DictConfig, group: str) -> dict[str, Any]:
