@@ -347,6 +347,9 @@ class Rollouts:
 
 
 def _short(value: Any) -> str:
+    """A prompt in a few characters: its text, or a conversation's last turn (the one answered)."""
+    if isinstance(value, list) and value and isinstance(value[-1], dict) and isinstance(value[-1].get("content"), str):
+        value = value[-1]["content"]
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
     return repr(text[:60] + ("…" if len(text) > 60 else ""))
 
