@@ -58,6 +58,7 @@ from reprotune.preference.trainers import (
     trl_classes,
     with_init_adapter,
 )
+from reprotune.rl.trainer import reward_metrics, rewards_for, rl_record, rl_rows
 from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings
 from reprotune.runtime import set_reproducibility
@@ -228,10 +229,8 @@ def recipe(obj: Objective, run: RunSettings) -> Recipe:
 def load_rows(cfg: DictConfig, resolved: Run) -> tuple[list[dict], list[dict]]:
     """The training rows, and the validation split drawn from them when train.eval_steps asks for one."""
     obj, train_file = resolved.objective, resolved.path("prepared") / "train.jsonl"
-    if obj.rl:  # prompts and their reference columns (reprotune.rl.prompts); no validation loss to track
-        from reprotune.rl.prompts import load_prompt_rows
-
-        return load_prompt_rows(train_file), []
+    if obj.rl:  # prompts and their reference columns; the rewards checked before any weights load
+        return rl_rows(cfg, train_file), []
     rows = read_pairs(train_file, obj.name) if obj.preference else read_messages(train_file)
     return split_validation(rows, float(cfg.train.run.val_fraction)) if cfg.train.eval_steps else (rows, [])
 
@@ -266,12 +265,8 @@ def build_trainer(cfg: DictConfig, resolved: Run, run: RunSettings, model, token
     from peft import PeftModel
 
     peft_config = None if isinstance(model, PeftModel) else lora_config(cfg, tokenizer)
-    extra, rollouts = {}, None
-    if obj.rl:  # the reward functions (a user's file imported here, at train's start only) and their record
-        from reprotune.rl.trainer import rewards_for
-
-        reward_funcs, rollouts = rewards_for(cfg)
-        extra = {"reward_funcs": reward_funcs}
+    # the reward functions (a user's file imported here, at train's start only), writing paths.rollouts
+    extra, rollouts = rewards_for(cfg, resolved) if obj.rl else ({}, None)
     trainer = chosen.trainer_class(model=model, args=chosen.trainer_config(cfg, run, bool(val_rows), resolved=resolved), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
@@ -338,16 +333,8 @@ def train_metrics(trainer, rows: list[dict], val_rows: list[dict]) -> dict[str, 
     return {"global_step": int(trainer.state.global_step), "final_train_loss": curve[-1][1] if curve else math.nan,
             "mean_train_loss": mean_loss(curve), "train_examples": len(rows), "validation_examples": len(val_rows),
             "assistant_tokens": assistant_tokens(trainer), "tokens_seen": int(trainer.state.num_input_tokens_seen),
-            "trainable_parameters": trainable, "total_parameters": total, **rl_metrics(trainer)}
-
-
-def rl_metrics(trainer) -> dict[str, float]:
-    """An RL run's reward numbers (reprotune.rl.trainer.reward_metrics); nothing for the other objectives."""
-    if getattr(trainer, "rollouts", None) is None:
-        return {}
-    from reprotune.rl.trainer import reward_metrics
-
-    return reward_metrics(trainer.state.log_history)
+            "trainable_parameters": trainable, "total_parameters": total,
+            **(reward_metrics(trainer.state.log_history) if trainer.rollouts is not None else {})}
 
 
 def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, train_seconds: float,
@@ -386,12 +373,6 @@ def pinned_host_gib() -> dict[str, float] | None:
     return out
 
 
-def rl_objective_record(cfg: DictConfig, resolved: Run, trainer) -> dict[str, Any]:
-    from reprotune.rl.trainer import objective_record as record
-
-    return record(cfg, resolved, trainer, resolved.path("rollouts"))
-
-
 def train_record(cfg: DictConfig, resolved: Run, run: RunSettings, trainer, model_dir: str, resume_from: str | None,
                  adapter_dir: Path, timing: dict[str, Any]) -> dict[str, Any]:
     """outputs/train/manifest.json: provenance, the run's settings, inputs and outputs by sha256, timings."""
@@ -415,7 +396,7 @@ def train_record(cfg: DictConfig, resolved: Run, run: RunSettings, trainer, mode
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
         timing=timing, run_settings=run.as_record(),
         **({"objective": objective_record(cfg, resolved)} if obj.preference else {}),
-        **({"objective": rl_objective_record(cfg, resolved, trainer)} if obj.rl else {}),
+        **({"objective": rl_record(cfg, resolved, trainer)} if obj.rl else {}),
         distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
                      "strategy": run.strategy, "global_batch": run.global_batch})
 
@@ -440,10 +421,6 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     # what the adapter records of its base, resolved before any weights load: a mistake here is known at the start
     log.info("base model: %s", base_identity(cfg.model)[0])
     rows, val_rows = load_rows(cfg, resolved)
-    if obj.rl:  # the rewards' names and parameters, before any weights load (nothing of a user's file runs yet)
-        from reprotune.rl.trainer import check_rewards_of
-
-        check_rewards_of(cfg)
     model_dir, tokenizer, original_template = load_tokenizer_for_training(cfg, resolved)
     run = preflight(cfg, detect(device), train_shape(cfg, model_dir), resolved)  # reprotune.sizing.decide
     log.info("settings: %s", "; ".join(run.reasons))
@@ -452,8 +429,7 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
     if obj.from_adapter:  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg, resolved))
-        if obj.preference:
-            log.info("objective %s, reference: %s", obj.name, reference(cfg, obj))
+        log.info("objective %s, reference: %s", obj.name, reference(cfg, obj))
     resume_from = checkpoints.prepare_resume(cfg, resolved, world)
     tokens_before = checkpoints.tokens_seen_before(resume_from)  # read now: rotation may remove that checkpoint
     log.info("%s; strategy %s", run.global_batch, run.strategy)
@@ -474,8 +450,6 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     metrics = train_metrics(trainer, rows, val_rows)
     adapter_dir = save_adapter(trainer, tokenizer, cfg, resolved, metrics, original_template, state_dict)
     write_json(out_dir / "metrics.json", metrics)
-    if trainer.rollouts is not None:  # every generation batch's completions and rewards (reprotune.rl.rewards)
-        trainer.rollouts.write(resolved.path("rollouts"))
     write_curves(trainer, out_dir)
 
     # report

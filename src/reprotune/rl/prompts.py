@@ -206,20 +206,6 @@ def prepare_prompts(cfg: DictConfig, run: Run, work: Path) -> dict[str, Any]:
     return {"train": len(train_rows), "holdout": len(holdout_rows), "report": report, "pii": pii_report}
 
 
-def load_prompt_rows(path: Path) -> list[dict[str, Any]]:
-    """The prepared prompts train reads; one line when the file holds another chain's rows."""
-    rows = []
-    for line, row in iter_jsonl(path, "run 'make prepare ARGS=\"objective=grpo\"' first"):
-        if not isinstance(row, dict) or "prompt" not in row or {"chosen", "completion"} & set(row):
-            kind = "SFT conversations" if isinstance(row, dict) and "messages" in row else "no prompt-only row"
-            raise ReprotuneError(f"{path}:{line}: prompt: holds {kind}; prepare prompts with "
-                                 "'make prepare ARGS=\"objective=grpo\"'")
-        rows.append(row)
-    if not rows:
-        raise ReprotuneError(f"{path}:1: file: holds no prompts")
-    return rows
-
-
 def write_manifest(cfg: DictConfig, run: Run, out: Path) -> None:
     """Inputs and outputs with their hashes (relative to the Run's paths.root), as reprotune.prepare's."""
     from reprotune import manifest as mf

@@ -323,27 +323,36 @@ def file_records(specs: Sequence[RewardSpec], root: Path) -> list[dict[str, Any]
 # ------------------------------------------------------------------------------------ checked, recorded
 @dataclass
 class Rollouts:
-    """Every generation batch's prompts, completions and each reward's values, in the order TRL scored them."""
+    """Every generation batch's prompts, completions and each reward's values, in the order TRL scored them; with
+    a `path`, each batch is appended to it (JSONL, one completion a line) once its last reward has scored it, so a
+    killed run keeps what it generated (the file starts empty with the run)."""
     labels: list[str]
+    path: Path | None = None
     batches: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
 
     def record(self, label: str, step: int, prompts: list, completions: list, values: list) -> None:
         # TRL calls the rewards one after the other on the same batch: the first opens a new batch
         if label == self.labels[0]:
             self.batches.append({"step": step, "prompts": prompts, "completions": completions, "rewards": {}})
         self.batches[-1]["rewards"][label] = values
+        if label == self.labels[-1] and self.path is not None:
+            with self.path.open("a", encoding="utf-8") as out:
+                out.write("".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
+                                  for r in self._rows(self.batches[-1])))
+
+    def _rows(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"step": batch["step"], "index": i, "prompt": p, "completion": c,
+                 "rewards": {label: batch["rewards"].get(label, [None] * len(batch["prompts"]))[i]
+                             for label in self.labels}}
+                for i, (p, c) in enumerate(zip(batch["prompts"], batch["completions"], strict=True))]
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"step": b["step"], "index": i, "prompt": p, "completion": c,
-                 "rewards": {label: b["rewards"].get(label, [None] * len(b["prompts"]))[i] for label in self.labels}}
-                for b in self.batches for i, (p, c) in enumerate(zip(b["prompts"], b["completions"], strict=True))]
-
-    def write(self, path: Path) -> None:
-        from reprotune.io import atomic_write_text
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
-                                        for r in self.rows()))
+        return [row for batch in self.batches for row in self._rows(batch)]
 
 
 def _short(value: Any) -> str:
@@ -400,9 +409,11 @@ def checked(func: RewardFunc, label: str, rollouts: Rollouts) -> RewardFunc:
     return reward
 
 
-def load_rewards(rewards: Any, weights: Any = None) -> tuple[list[RewardFunc], list[RewardSpec], Rollouts]:
-    """The reward functions TRL's GRPOTrainer gets (checked, recorded), their specs and the shared Rollouts.
-    Imports the users' files: the train stage's start only."""
+def load_rewards(rewards: Any, weights: Any = None, rollouts_file: Path | None = None
+                 ) -> tuple[list[RewardFunc], list[RewardSpec], Rollouts]:
+    """The reward functions TRL's GRPOTrainer gets (checked, recorded), their specs and the shared Rollouts
+    (writing rollouts_file, where given). Imports the users' files: the train stage's start only."""
     specs = check_rewards(rewards, weights)
-    rollouts = Rollouts([s.label for s in specs])
-    return [checked(bound(s), s.label, rollouts) for s in specs], specs, rollouts
+    funcs = [bound(s) for s in specs]  # every import before the rollouts file is started
+    rollouts = Rollouts([s.label for s in specs], rollouts_file)
+    return [checked(f, s.label, rollouts) for f, s in zip(funcs, specs, strict=True)], specs, rollouts

@@ -9,7 +9,8 @@ The starting adapter (objective.init_adapter, default the SFT adapter) is loaded
 (reprotune.preference.trainers.with_init_adapter); with beta != 0 TRL adds a frozen copy named "ref" as the KL
 reference (trl/trainer/grpo_trainer.py), with beta 0 (GRPOConfig's default) there is none.
 
-Reads the config; writes nothing (the train stage writes the rollouts and the manifest).
+Reads the config and the prepared prompts (data/prompts/train.jsonl); writes paths.rollouts (through the
+rewards' Rollouts) and nothing else (the train stage writes the manifest).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune.config import library_keys
-from reprotune.preference.trainers import init_adapter_dir, objective_wins, sft_only_keys
+from reprotune.errors import ReprotuneError
+from reprotune.io import iter_jsonl
+from reprotune.preference.trainers import init_adapter_dir, objective_wins, reference, sft_only_keys
 from reprotune.rl.rewards import RewardFunc, Rollouts, check_rewards, file_records, load_rewards, parse_specs
 from reprotune.run import Run
 from reprotune.run_settings import RunSettings
@@ -61,17 +64,36 @@ def grpo_config(cfg: DictConfig, run: RunSettings, has_val: bool, resolved: Run 
     return config_class(**keys)
 
 
-def check_rewards_of(cfg: DictConfig) -> None:
-    """objective.rewards and reward_weights checked without importing a user's file."""
+def load_prompt_rows(path: Path) -> list[dict[str, Any]]:
+    """The prepared prompts train reads; one line when the file holds another chain's rows."""
+    rows = []
+    for line, row in iter_jsonl(path, "run 'make prepare ARGS=\"objective=grpo\"' first"):
+        if not isinstance(row, dict) or "prompt" not in row or {"chosen", "completion"} & set(row):
+            kind = "SFT conversations" if isinstance(row, dict) and "messages" in row else "no prompt-only row"
+            raise ReprotuneError(f"{path}:{line}: prompt: holds {kind}; prepare prompts with "
+                                 "'make prepare ARGS=\"objective=grpo\"'")
+        rows.append(row)
+    if not rows:
+        raise ReprotuneError(f"{path}:1: file: holds no prompts")
+    return rows
+
+
+def rl_rows(cfg: DictConfig, train_file: Path) -> list[dict[str, Any]]:
+    """The prepared prompts, after objective.rewards and reward_weights are checked (no user file imported yet)."""
     check_rewards(_plain(cfg.objective.get("rewards")), _plain(cfg.objective.get("reward_weights")))
+    return load_prompt_rows(train_file)
 
 
-def rewards_for(cfg: DictConfig) -> tuple[list[RewardFunc], Rollouts]:
-    """The checked, recorded reward functions (users' files imported now: train only)."""
+def rewards_for(cfg: DictConfig, resolved: Run) -> tuple[dict[str, list[RewardFunc]], Rollouts]:
+    """GRPOTrainer's reward_funcs argument: the checked reward functions (users' files imported now: train only),
+    recording every batch to paths.rollouts (the main process's; the file starts empty)."""
+    from reprotune import distributed
+
+    out = resolved.path("rollouts") if distributed.world().is_main else None
     funcs, specs, rollouts = load_rewards(_plain(cfg.objective.get("rewards")),
-                                          _plain(cfg.objective.get("reward_weights")))
+                                          _plain(cfg.objective.get("reward_weights")), out)
     log.info("rewards: %s", ", ".join(s.name for s in specs))
-    return funcs, rollouts
+    return {"reward_funcs": funcs}, rollouts
 
 
 def _plain(node: Any) -> Any:
@@ -91,7 +113,7 @@ def reward_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
                sum(1 for h in logged if k in h) for k in names}}
 
 
-def objective_record(cfg: DictConfig, resolved: Run, trainer: Any, rollouts_file: Path) -> dict[str, Any]:
+def rl_record(cfg: DictConfig, resolved: Run, trainer: Any) -> dict[str, Any]:
     """The manifest's objective: name, the starting adapter and the reward files by sha256, the sampling as TRL
     ran it, and the rollouts' hash."""
     from reprotune import manifest as mf
@@ -99,10 +121,8 @@ def objective_record(cfg: DictConfig, resolved: Run, trainer: Any, rollouts_file
     root = resolved.path("root")
     init = init_adapter_dir(cfg, resolved)
     args = trainer.args
-    return {"name": resolved.objective.name,
-            "reference": ("init_adapter (a frozen copy of it, TRL's 'ref' adapter)" if init else "base") if args.beta
-            else "none (beta 0: no KL term)",
+    return {"name": resolved.objective.name, "reference": reference(cfg, resolved.objective),
             "init_adapter": mf.path_record(init, root) if init else None,
             "rewards": file_records(parse_specs(_plain(cfg.objective.rewards)), root),
             "sampling": {k: _plain(getattr(args, k, None)) for k in SAMPLING_KEYS},
-            "rollouts": mf.path_record(rollouts_file, root)}
+            "rollouts": mf.path_record(resolved.path("rollouts"), root)}
