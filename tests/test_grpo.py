@@ -174,6 +174,21 @@ def test_trl_prompt_only_formats_are_read_with_their_reference_columns(tmp_path:
     assert sorted(train + holdout, key=lambda r: r["solution"]) == conversational
 
 
+def test_pii_is_replaced_alike_in_a_prompt_and_its_reference_answer(tmp_path: Path) -> None:
+    email = "jane.roe@acme-mail.de"
+    write_jsonl(tmp_path / "pii.jsonl", [{"prompt": [user(f"Who sent it? Email {email} the invoice.")],
+                                          "answer": json.dumps({"contact": email})}])
+    train, holdout, manifest = prepare_prompts(tmp_path, f"data.prompts.path={tmp_path}/pii.jsonl", "data.scrub=true",
+                                               "data.pii.names=false", "data.holdout_fraction=0")
+    row = (train + holdout)[0]
+    prompt, answer = row["prompt"][0]["content"], json.loads(row["answer"])["contact"]
+    assert email not in prompt + row["answer"]
+    assert "@" in answer and prompt == f"Who sent it? Email {answer} the invoice."  # the same fake in both
+    report = json.loads((tmp_path / "data/prompts/report.json").read_text())
+    assert report["inputs"] == [{"file": "pii.jsonl", "format": "conversational", "records": 1}]
+    assert json.loads((tmp_path / "data/prompts/metrics.json").read_text())["pii_replacements"] >= 2
+
+
 def test_bad_prompt_records_are_file_line_field_errors_all_at_once(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"prompt": "fine", "answer": "1"}, {"question": "no prompt", "answer": "2"},
@@ -277,6 +292,16 @@ def test_grpo_starts_from_the_init_adapter_recorded_by_sha256(tmp_path: Path) ->
     assert (sft / "adapter_model.safetensors").is_file() and (tmp_path / "outputs/rl/adapter").is_dir()
 
 
+def test_grpo_trains_a_dora_adapter(tmp_path: Path) -> None:
+    from reprotune.train import train
+
+    grpo_workspace(tmp_path)
+    record = train(compose([f"paths.root={tmp_path}", *GRPO_TRAIN, "method=dora", "++objective.max_steps=1",
+                            "objective.rewards=[json_valid]"]))
+    config = json.loads((tmp_path / "outputs/rl/adapter/adapter_config.json").read_text())
+    assert config["use_dora"] is True and record["objective"]["name"] == "grpo"
+
+
 def test_a_bad_reward_stops_the_train_stage_in_one_line_with_a_non_zero_exit(tmp_path: Path) -> None:
     grpo_workspace(tmp_path)
     (tmp_path / "bad.py").write_text("def score(prompts, completions, **kw):\n"
@@ -291,3 +316,17 @@ def test_a_bad_reward_stops_the_train_stage_in_one_line_with_a_non_zero_exit(tmp
                                             r"returned 'x', not a finite number", lines[0]), lines
     assert "Extract the invoice fields" not in lines[0]  # the user's turn, not the system prompt
     assert "Traceback" not in done.stderr
+
+
+def test_make_refuses_grpo_until_it_has_a_dvc_chain_in_one_line(tmp_path: Path) -> None:
+    """The SFT chain's stages would otherwise run objective=grpo over the SFT chain's outputs."""
+    from reprotune.config import check_chain
+    from reprotune.runner import refuse_without_chain
+
+    refuse_without_chain("train", ["objective=dpo"])  # the preference chain's: not refused here
+    with pytest.raises(ReprotuneError, match=r"^make train: objective=grpo has no DVC chain yet \(docs/grpo.md\); run "
+                                             r"its stages directly: .*; nothing was changed$"):
+        refuse_without_chain("train", ["objective=grpo"])
+    for params in ("params", "params_pref"):
+        with pytest.raises(ReprotuneError, match=rf"^{params}.yaml:\d+: objective.name: 'grpo' has no DVC chain yet"):
+            check_chain(compose(["objective=grpo"]), params)

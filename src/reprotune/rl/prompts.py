@@ -174,6 +174,14 @@ def row_line(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False) + "\n").encode()
 
 
+def relative(path: Path, root: Path) -> str:
+    """The input as the report names it: relative to paths.root where it lies under it."""
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def prepare_prompts(cfg: DictConfig, run: Run, work: Path) -> dict[str, Any]:
     """The prompts read, deduplicated, scrubbed and split into the Run's paths.prepared (all but the manifest)."""
     out, path, fraction = run.path("prepared"), source(cfg), float(cfg.data.holdout_fraction)
@@ -185,8 +193,8 @@ def prepare_prompts(cfg: DictConfig, run: Run, work: Path) -> dict[str, Any]:
     holdout_rows = [row for row, h in zip(rows, holdout, strict=True) if h]
     if not train_rows:
         raise ReprotuneError(f"{path}:0: data: no training prompts left after dedup and split")
-    report = {"objective": str(cfg.objective.name), "inputs": [{"file": str(path), "format": records[0].format,
-                                                                "records": len(records)}],
+    report = {"objective": str(cfg.objective.name), "inputs": [{"file": relative(path, run.path("root")),
+                                                                "format": records[0].format, "records": len(records)}],
               "holdout_fraction": fraction, "columns": sorted(k for k in records[0].row if k != "prompt"),
               "split_key": "conversation (as the SFT prepare)" if records[0].format == "sft" else "prompt",
               "prompts": {"read": len(records), "duplicates_dropped": len(records) - len(kept),
