@@ -231,10 +231,12 @@ GRPO_TRAIN = [*GRPO, "objective.init_adapter=null", "++objective.max_steps=3", "
 
 
 def grpo_workspace(root: Path) -> Path:
+    """small_invoices, their prompts in data/prompts as prepare writes them, and the user's reward spaces.py."""
     small_invoices(root)
-    write_jsonl(root / "data/prompts/train.jsonl",
-                [{"prompt": json.loads(x)["messages"][:-1], "answer": json.loads(x)["messages"][-1]["content"]}
-                 for x in (root / "data/prepared/train.jsonl").read_text().splitlines()])
+    for split in ("train", "holdout"):
+        write_jsonl(root / f"data/prompts/{split}.jsonl",
+                    [{"prompt": json.loads(x)["messages"][:-1], "answer": json.loads(x)["messages"][-1]["content"]}
+                     for x in (root / f"data/prepared/{split}.jsonl").read_text().splitlines()])
     reward = root / "spaces.py"
     reward.write_text(DIGITS)
     return reward
@@ -276,7 +278,7 @@ def test_grpo_reruns_give_the_same_adapter_and_rollouts_and_record_them(tmp_path
     assert not (tmp_path / "one/outputs/adapter").exists()
 
 
-def test_grpo_starts_from_the_init_adapter_recorded_by_sha256(tmp_path: Path) -> None:
+def test_grpo_starts_from_the_init_adapter_recorded_by_sha256_and_eval_compares_the_three(tmp_path: Path) -> None:
     from reprotune.train import train
 
     grpo_workspace(tmp_path)
@@ -290,6 +292,15 @@ def test_grpo_starts_from_the_init_adapter_recorded_by_sha256(tmp_path: Path) ->
     assert record["objective"]["init_adapter"]["sha256"] == json.loads(
         (tmp_path / "outputs/train/manifest.json").read_text())["outputs"]["adapter"]["sha256"]
     assert (sft / "adapter_model.safetensors").is_file() and (tmp_path / "outputs/rl/adapter").is_dir()
+    # make eval of the RL run: the holdout prompts' answers through base, the SFT adapter and the RL adapter
+    from reprotune.evaluate import evaluate
+
+    out = evaluate(compose([*base, "objective=grpo", "eval.max_examples=2", "eval.max_new_tokens=4"]))
+    assert {"base", "sft", "tuned"} <= set(out["metrics"]) and out["metrics"]["examples"] == 2
+    assert "field_accuracy" in out["metrics"]["tuned"]
+    assert out["manifest"]["inputs"]["adapter"]["path"] == "outputs/rl/adapter"
+    assert out["manifest"]["inputs"]["holdout"]["path"] == "data/prompts/holdout.jsonl"
+    assert (tmp_path / "outputs/rl/eval/report.md").is_file() and not (tmp_path / "outputs/eval").exists()
 
 
 def test_grpo_trains_a_dora_adapter(tmp_path: Path) -> None:
