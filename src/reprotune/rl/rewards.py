@@ -325,25 +325,31 @@ def file_records(specs: Sequence[RewardSpec], root: Path) -> list[dict[str, Any]
 class Rollouts:
     """Every generation batch's prompts, completions and each reward's values, in the order TRL scored them; with
     a `path`, each batch is appended to it (JSONL, one completion a line) once its last reward has scored it, so a
-    killed run keeps what it generated (the file starts empty with the run)."""
+    killed run keeps what it generated. The first batch a run scores cuts the file back to the rows of the steps
+    before it: a fresh run (step 0) starts it empty, a resumed one keeps what the killed run sampled before its
+    checkpoint, so a resumed run's file is the uninterrupted run's."""
     labels: list[str]
     path: Path | None = None
     batches: list[dict[str, Any]] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
-
     def record(self, label: str, step: int, prompts: list, completions: list, values: list) -> None:
         # TRL calls the rewards one after the other on the same batch: the first opens a new batch
         if label == self.labels[0]:
+            if not self.batches and self.path is not None:
+                self._keep_before(step)
             self.batches.append({"step": step, "prompts": prompts, "completions": completions, "rewards": {}})
         self.batches[-1]["rewards"][label] = values
         if label == self.labels[-1] and self.path is not None:
             with self.path.open("a", encoding="utf-8") as out:
                 out.write("".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
                                   for r in self._rows(self.batches[-1])))
+
+    def _keep_before(self, step: int) -> None:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True) if self.path.is_file() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] < step] if step else []
+        self.path.write_text("".join(kept), encoding="utf-8")
 
     def _rows(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"step": batch["step"], "index": i, "prompt": p, "completion": c,
