@@ -101,6 +101,20 @@ def test_a_users_reward_is_imported_only_when_loaded(tmp_path: Path) -> None:
         rw.load_rewards([f"{file}:nope"])
 
 
+def test_make_plan_and_prepare_never_import_a_users_reward(tmp_path: Path) -> None:
+    from reprotune.prepare import prepare
+    from reprotune.sizing.report import make_plan
+
+    marker, file = tmp_path / "imported", tmp_path / "mine.py"
+    file.write_text(f"open({str(marker)!r}, 'w').write('yes')\ndef f(prompts, completions, **kw):\n    return [0.0]\n")
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)])
+    cfg = compose([f"paths.root={tmp_path}", *GRPO, f"data.prompts.path={tmp_path}/p.jsonl",
+                   f"objective.rewards=[json_valid,{file}:f]"])
+    assert make_plan(cfg)["model"] and not marker.exists()
+    prepare(cfg)
+    assert (tmp_path / "data/prompts/train.jsonl").is_file() and not marker.exists()
+
+
 def _bad(file: Path, body: str) -> rw.RewardFunc:
     file.write_text(body)
     return rw.load_rewards([f"{file}:score"])[0][0]
