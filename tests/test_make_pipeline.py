@@ -212,9 +212,10 @@ MATRIX = [
     ("export.parity.max_new_tokens=8", (*E8, "export.parity.max_new_tokens=8"), None, ["gguf", "gguf_pref"],
      "stale"),
     ("edit src/reprotune/modelfile.py", E8, "src/reprotune/modelfile.py", ["gguf", "gguf_pref"], "stale"),
-    # make gguf's parity gate scores the task with the eval stage's metrics (reprotune.gguf_quality, issue #49)
-    ("edit src/reprotune/metrics.py", E8, "src/reprotune/metrics.py", ["eval", "gguf", "eval_pref", "gguf_pref"],
-     "stale"),
+    # make gguf's parity gate scores the task with the eval stage's metrics (reprotune.gguf_quality, issue #49), and
+    # train's GRPO rewards with them too (reprotune.rl.rewards: field_accuracy is eval's score, issue #47)
+    ("edit src/reprotune/metrics.py", E8, "src/reprotune/metrics.py",
+     ["train", "eval", "gguf", "train_pref", "eval_pref", "gguf_pref"], "stale"),
     # stale: dvc status names the stages whose own params changed; run, their new merged/parity.json (it records
     # the prompt count) would re-run gguf and gguf_pref after them, as the train.max_steps row's cascade shows
     ("export.merge.prompts=3", (*E8, "export.merge.prompts=3"), None, ["merge", "merge_pref"], "stale"),

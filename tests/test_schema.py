@@ -126,6 +126,7 @@ def test_the_objective_registry_is_the_one_list() -> None:
         {"dpo", "kto"}, {"dpo", "kto", "orpo"}, {"dpo", "orpo"})
     for name in OBJECTIVES_IN_CONF:
         cfg = compose([f"objective={name}"])
-        assert objective(cfg).name == name and objective(cfg).preference == (name != "sft")
-    with pytest.raises(ReprotuneError, match=r"^objective.name: 'ppo' is not one of sft, dpo, orpo, kto$"):
+        assert objective(cfg).name == name and objective(cfg).preference == (name in schema.PREFERENCE_OBJECTIVES)
+        assert objective(cfg).rl == (name in schema.RL_OBJECTIVES) and objective(cfg).from_adapter == (name != "sft")
+    with pytest.raises(ReprotuneError, match=r"^objective.name: 'ppo' is not one of sft, dpo, orpo, kto, grpo$"):
         objective(OmegaConf.create({"objective": {"name": "ppo"}}))

@@ -43,9 +43,10 @@ def compose_argv(argv: list[str]) -> DictConfig:
 
 
 # reprotune's own keys in the groups handed whole to a library (train/: SFTConfig or the objective's TRL config;
-# method/: peft.LoraConfig; objective/: DPOConfig, ORPOConfig, KTOConfig): every other key is the library's.
+# method/: peft.LoraConfig; objective/: DPOConfig, ORPOConfig, KTOConfig, GRPOConfig): every other key is the
+# library's. objective.rewards: GRPO's reward functions (reprotune.rl.rewards), TRL's reward_funcs argument.
 OWN_KEYS: dict[str, tuple[str, ...]] = {"train": ("run",), "method": ("name", "quantization"),
-                                        "objective": ("name", "init_adapter")}
+                                        "objective": ("name", "init_adapter", "rewards")}
 
 
 def library_keys(cfg: DictConfig, group: str) -> dict[str, Any]:
@@ -187,6 +188,10 @@ def check_chain(cfg: Any, config_name: str | None) -> None:
         return  # a direct run (python -m reprotune.train ...) or make verify's re-run: no chain to check
     obj = resolve(cfg, "params").objective
     where = f"{config_name}.yaml:{_line_of(Path(f'{config_name}.yaml'), 'objective')}: objective.name"
+    if obj.rl:  # no DVC chain of its own yet (docs/grpo.md): neither chain's stages may write its outputs
+        raise ReprotuneError(f"{where}: {obj.name!r} has no DVC chain yet; run it directly: python -m "
+                             f"reprotune.prepare objective={obj.name}, then python -m reprotune.train "
+                             f"objective={obj.name} (docs/grpo.md)")
     if config_name == pref_params and not obj.preference:
         raise ReprotuneError(f"{where}: {obj.name!r}, but the preference stages (prepare_pairs, train_pref, "
                              f"eval_pref, merge_pref, gguf_pref) run dpo, orpo or kto; write it with make train "

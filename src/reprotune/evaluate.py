@@ -34,7 +34,7 @@ from reprotune.config import CONF_DIR
 from reprotune.errors import user_errors
 from reprotune.evaluation.baseline import run_baseline
 from reprotune.evaluation.generation import SystemRun, load_model_and_tokenizer, run_local
-from reprotune.evaluation.holdout import Example, read_holdout
+from reprotune.evaluation.holdout import Example, read_holdout, read_prompt_holdout
 from reprotune.evaluation.preference_pass import (
     add_preference,
     load_start_adapter,
@@ -55,6 +55,8 @@ def read_inputs(cfg: DictConfig, obj: Objective, holdout: Path) -> tuple[list[di
     """(a preference holdout's rows, the examples of the task pass): an SFT holdout has no rows."""
     if obj.preference:
         return preference_holdout(cfg, holdout)
+    if obj.rl:  # the holdout prompts and their reference answers: base, the SFT adapter it started from, RL's
+        return [], read_prompt_holdout(holdout, cfg.eval.max_examples)
     return [], read_holdout(holdout, cfg.eval.max_examples)
 
 

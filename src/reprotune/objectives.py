@@ -1,7 +1,7 @@
 """The training objectives as values: what each one is, in one registry, so that code asks the objective
 (`run.objective.paired`: the one reprotune.run.resolve picked) instead of branching on its name. Adding an
 objective is a conf/objective/<name>.yaml, an entry here (its properties) and its TRL classes
-(reprotune.preference.trainers.trl_classes).
+(reprotune.preference.trainers.trl_classes; GRPO's: reprotune.rl.trainer).
 
 Pure: imports only reprotune.schema (the names)."""
 
@@ -22,6 +22,12 @@ class Objective:
     full_logits: bool = False   # TRL's padded trainer returns the logits of every position (no fused LM head)
     packs_on_cpu: bool = False  # train.packing=auto packs it off the GPU too (the same result, measured faster)
     packed_reason: str = ""     # the run's reason line when its examples are packed (reprotune.preference.packed)
+    rl: bool = False            # online RL (reprotune.rl): samples completions of prepared prompts, rewards score them
+
+    @property
+    def from_adapter(self) -> bool:
+        """Starts from objective.init_adapter (the SFT adapter by default): the preference and RL objectives."""
+        return self.preference or self.rl
 
     @property
     def packs(self) -> bool:
@@ -36,7 +42,7 @@ class Objective:
     @property
     def make_args(self) -> str:
         """What a `make <stage>` hint adds to rerun this objective's chain (the SFT chain's is the default)."""
-        return f' ARGS="objective={self.name}"' if self.preference else ""
+        return f' ARGS="objective={self.name}"' if self.from_adapter else ""
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
@@ -48,5 +54,6 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
                             "whole through TRL's fused LM head (reprotune.preference.packed)"),
     Objective("kto", preference=True, reference=True, kl_batch=True,
               packed_reason="kto rows packed: no padding, each row one document (reprotune.preference.packed)"),
+    Objective("grpo", rl=True),
 )}
 assert tuple(OBJECTIVES) == schema.OBJECTIVES, "reprotune.schema.OBJECTIVES names these"

@@ -365,6 +365,11 @@ def prepare(cfg: DictConfig, resolved: Run | None = None) -> dict:
         if resolved.objective.preference:  # preference pairs (reprotune.preference.pairs)
             result = prepare_pairs(cfg, resolved, work)
             write_manifest(cfg, resolved, out, source(cfg))
+        elif resolved.objective.rl:  # prompts with their reference answers (reprotune.rl.prompts)
+            from reprotune.rl import prompts
+
+            result = prompts.prepare_prompts(cfg, resolved, work)
+            prompts.write_manifest(cfg, resolved, out)
         else:
             result = prepare_in(cfg, resolved, work)
     finally:

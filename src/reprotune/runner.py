@@ -275,6 +275,21 @@ def names_preference(overrides: list[str]) -> bool:
             and resolve(compose_checked(overrides), "params").objective.preference)
 
 
+def refuse_without_chain(stage: str, overrides: list[str]) -> None:
+    """An objective with no DVC chain yet (objective=grpo, docs/grpo.md): one line before params.yaml changes,
+    instead of the SFT chain's stages running it over the SFT chain's outputs."""
+    from reprotune.config import compose_checked, is_objective_override
+    from reprotune.run import resolve
+
+    if not any(is_objective_override(o) for o in overrides):
+        return
+    obj = resolve(compose_checked(overrides), "params").objective
+    if obj.rl:
+        raise ReprotuneError(f"make {stage}: objective={obj.name} has no DVC chain yet (docs/grpo.md); run its stages "
+                             f"directly: .venv/bin/python -m reprotune.prepare objective={obj.name}, then "
+                             f"-m reprotune.train objective={obj.name}; nothing was changed")
+
+
 def composed_params(target: str, overrides: list[str], preference: bool) -> dict[str, tuple[list[str], Any]]:
     """params.yaml's (and, for a preference objective or make repro, params_pref.yaml's) overrides and composed
     config, every settings mistake raised before any file changes (reprotune.config)."""
@@ -335,6 +350,7 @@ def write_params(target: str, overrides: list[str], preference: bool,
 def run(stage: str, overrides: list[str]) -> int:
     command = " ".join(["make", stage, *([f"ARGS={' '.join(overrides)}"] if overrides else [])])
     with checkout_lock(command):
+        refuse_without_chain(stage, overrides)
         preference = names_preference(overrides)
         target = dvc_stage(stage, preference)  # make train ARGS="objective=dpo" -> train_pref; refused before
         configs = composed_params(stage, overrides, preference)  # params.yaml changes

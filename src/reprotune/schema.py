@@ -57,10 +57,12 @@ CPU_KERNEL_MODES = ("pinned", "native")
 NORM_KERNELS = ("liger", "torch")
 DISTRIBUTED = ("ddp", "fsdp2")
 METHODS = ("lora", "qlora", "dora")
-# the objectives (conf/objective/*.yaml): SFT, then the preference ones (reprotune.preference)
+# the objectives (conf/objective/*.yaml): SFT, then the preference ones (reprotune.preference), then online RL
+# (reprotune.rl)
 SFT = "sft"
 PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto")
-OBJECTIVES = (SFT, *PREFERENCE_OBJECTIVES)
+RL_OBJECTIVES = ("grpo",)
+OBJECTIVES = (SFT, *PREFERENCE_OBJECTIVES, *RL_OBJECTIVES)
 # transformers' own attention implementations, and reprotune's registered kernels (runtime.attention)
 ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "varlen_attention",
              "pair_varlen", "pair_dense")

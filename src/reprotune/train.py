@@ -58,6 +58,7 @@ from reprotune.preference.trainers import (
     trl_classes,
     with_init_adapter,
 )
+from reprotune.rl.trainer import reward_metrics, rewards_for, rl_record, rl_rows
 from reprotune.run import Run, resolve
 from reprotune.run_settings import RunSettings
 from reprotune.runtime import set_reproducibility
@@ -209,7 +210,11 @@ class Recipe:
 
 def recipe(obj: Objective, run: RunSettings) -> Recipe:
     """objective=sft: TRL's SFTTrainer; dpo, orpo, kto: TRL's preference trainers (reprotune.preference.trainers;
-    DPO on packed pairs when the run packs: reprotune.preference.packed)."""
+    DPO on packed pairs when the run packs: reprotune.preference.packed); grpo: TRL's GRPOTrainer (reprotune.rl)."""
+    if obj.rl:
+        from reprotune.rl.trainer import grpo_config, grpo_trainer_class
+
+        return Recipe(trainer_class=checkpoints.sealing_trainer_class(grpo_trainer_class()), trainer_config=grpo_config)
     if obj.preference:
         trainer_class, _ = trl_classes(obj.name)
         trainer_class = reference_keeps_checkpointing(trainer_class)
@@ -224,6 +229,8 @@ def recipe(obj: Objective, run: RunSettings) -> Recipe:
 def load_rows(cfg: DictConfig, resolved: Run) -> tuple[list[dict], list[dict]]:
     """The training rows, and the validation split drawn from them when train.eval_steps asks for one."""
     obj, train_file = resolved.objective, resolved.path("prepared") / "train.jsonl"
+    if obj.rl:  # prompts and their reference columns; the rewards checked before any weights load
+        return rl_rows(cfg, train_file), []
     rows = read_pairs(train_file, obj.name) if obj.preference else read_messages(train_file)
     return split_validation(rows, float(cfg.train.run.val_fraction)) if cfg.train.eval_steps else (rows, [])
 
@@ -258,11 +265,16 @@ def build_trainer(cfg: DictConfig, resolved: Run, run: RunSettings, model, token
     from peft import PeftModel
 
     peft_config = None if isinstance(model, PeftModel) else lora_config(cfg, tokenizer)
+    # the reward functions (a user's file imported here, at train's start only), writing paths.rollouts
+    extra, rollouts = rewards_for(cfg, resolved) if obj.rl else ({}, None)
     trainer = chosen.trainer_class(model=model, args=chosen.trainer_config(cfg, run, bool(val_rows), resolved=resolved), callbacks=callbacks,
                                 train_dataset=Dataset.from_list(rows),
                                 eval_dataset=Dataset.from_list(val_rows) if val_rows else None,
-                                processing_class=tokenizer, peft_config=peft_config)
-    if obj.preference:
+                                processing_class=tokenizer, peft_config=peft_config, **extra)
+    trainer.rollouts = rollouts
+    if obj.rl:
+        pass  # the completions are sampled: there is no loss mask to check before the run
+    elif obj.preference:
         if not len(trainer.train_dataset):  # TRL drops pairs whose prompt alone fills max_length
             raise ReprotuneError(f"{resolved.path('prepared') / 'train.jsonl'}:1: prompt: every prompt fills "
                                  "objective.max_length: nothing to train on")
@@ -326,7 +338,8 @@ def train_metrics(trainer, rows: list[dict], val_rows: list[dict]) -> dict[str, 
     return {"global_step": int(trainer.state.global_step), "final_train_loss": curve[-1][1] if curve else math.nan,
             "mean_train_loss": mean_loss(curve), "train_examples": len(rows), "validation_examples": len(val_rows),
             "assistant_tokens": assistant_tokens(trainer), "tokens_seen": int(trainer.state.num_input_tokens_seen),
-            "trainable_parameters": trainable, "total_parameters": total}
+            "trainable_parameters": trainable, "total_parameters": total,
+            **(reward_metrics(trainer.state.log_history) if trainer.rollouts is not None else {})}
 
 
 def timing_record(trainer, run: RunSettings, timer, n_rows: int, wall: float, train_seconds: float,
@@ -388,6 +401,7 @@ def train_record(cfg: DictConfig, resolved: Run, run: RunSettings, trainer, mode
                     (("metrics", "metrics.json"), ("loss_curves", "loss_curves.json"), ("loss_plot", "loss.png"))}},
         timing=timing, run_settings=run.as_record(),
         **({"objective": objective_record(cfg, resolved)} if obj.preference else {}),
+        **({"objective": rl_record(cfg, resolved, trainer)} if obj.rl else {}),
         distributed={"world_size": run.world_size, "nnodes": int(os.environ.get("NNODES") or 1),
                      "strategy": run.strategy, "global_batch": run.global_batch})
 
@@ -418,7 +432,7 @@ def train(cfg: DictConfig, resolved: Run | None = None) -> dict[str, Any]:
     speed.apply_compile_settings(run)
     register_attention(run.attn_implementation)
     model = load_base_model(model_dir, cfg, device, run.dtype, run.attn_implementation)
-    if obj.preference:  # objective.init_adapter: the adapter to train further (and, copied, the reference)
+    if obj.from_adapter:  # objective.init_adapter: the adapter to train further (and, copied, the reference)
         model = with_init_adapter(model, init_adapter_dir(cfg, resolved))
         log.info("objective %s, reference: %s", obj.name, reference(cfg, obj))
     resume_from = checkpoints.prepare_resume(cfg, resolved, world)

@@ -70,6 +70,24 @@ def read_holdout(path: Path, max_examples: int | None = None) -> list[Example]:
     return examples
 
 
+def read_prompt_holdout(path: Path, max_examples: int | None = None, column: str = "answer") -> list[Example]:
+    """An RL run's prepared prompts (reprotune.rl.prompts) as examples: the prompt (messages, or a standard row's
+    text, asked as it is) and its reference answer `column` (the SFT conversations' last answer); rows without
+    one are skipped, and max_examples counts rows."""
+    examples: list[Example] = []
+    for rows, (lineno, row) in enumerate(iter_jsonl(path, "run 'make prepare ARGS=\"objective=grpo\"' first"), 1):
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ReprotuneError(f"{path}:{lineno}: prompt: not a prompt row (make prepare ARGS=\"objective=grpo\")")
+        if isinstance(row.get(column), str):
+            examples.append(Example(len(examples), row["prompt"], row[column], None, f"{path}:{lineno}: {column}"))
+        if max_examples and rows >= max_examples:
+            break
+    if not examples:
+        raise ReprotuneError(f"{path}:1: {column}: no prompt has a reference answer to score (the eval of an RL run "
+                             f"scores the prompts' '{column}' column)")
+    return examples
+
+
 def check_references(examples: Sequence[Example], task: dict) -> None:
     """A json task's references must be JSON objects, or every score would be meaningless."""
     if task["type"] != "json":

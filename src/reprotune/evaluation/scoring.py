@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from reprotune import metrics as mx
 from reprotune.errors import ReprotuneError
 from reprotune.evaluation.generation import SystemRun, end_of_turn_ids
-from reprotune.evaluation.holdout import Example, check_references, read_holdout
+from reprotune.evaluation.holdout import Example, check_references, read_holdout, read_prompt_holdout
 from reprotune.models import load_tokenizer
 from reprotune.run import Run
 
@@ -32,7 +32,8 @@ def answer_budget(run: Run) -> int:
     if not (adapter_dir / "adapter_config.json").is_file():
         raise ReprotuneError(f"{adapter_dir / 'adapter_config.json'}: file: not found; run 'make train' first")
     tokenizer = load_tokenizer(adapter_dir)
-    answers = read_holdout(train_file)  # the same reader: its last assistant turn (a pair's chosen) is the answer
+    # the same reader: its last assistant turn (a pair's chosen; an RL prompt's answer column) is the answer
+    answers = read_prompt_holdout(train_file) if run.objective.rl else read_holdout(train_file)
     longest = max(len(tokenizer.encode(ex.reference, add_special_tokens=False)) + len(end_of_turn_ids(tokenizer, ex))
                   for ex in answers)
     return longest + max(ANSWER_MARGIN, math.ceil(ANSWER_MARGIN_FRACTION * longest))

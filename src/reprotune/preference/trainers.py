@@ -243,7 +243,12 @@ def with_init_adapter(model: Any, path: Path | None) -> Any:
 
 
 def reference(cfg: DictConfig, obj: Objective) -> str:
-    """What the implicit reward is measured against, in words for the manifest and the log."""
+    """What the implicit reward (GRPO: the KL term) is measured against, in words for the manifest and the log."""
+    if obj.rl:  # TRL's GRPOTrainer adds the frozen "ref" copy of a loaded adapter only when beta != 0
+        if not cfg.objective.get("beta"):
+            return "none (beta 0: no KL term)"
+        return "init_adapter (a frozen copy of it, TRL's 'ref' adapter)" if cfg.objective.get("init_adapter") \
+            else "base (the adapter disabled)"
     if not obj.reference:
         return f"none ({obj.name.upper()} has no reference model)"
     if cfg.objective.get("init_adapter"):

@@ -245,6 +245,8 @@ def load_data_shape(cfg: DictConfig, padded: bool | None = None, world_size: int
         resolved = resolve(cfg, "plan")
     # a preference run's paths.prepared is its pairs' folder (conf/objective/paths/preference.yaml)
     obj, prepared = resolved.objective, resolved.path("prepared")
+    if obj.rl:  # prompts alone: the completions' lengths are sampled (the generation is not modelled yet: #47)
+        return None
     if not (prepared / "report.json").is_file() or not (prepared / "train.jsonl").is_file():
         return None
     if obj.preference:
