@@ -24,8 +24,10 @@ from reprotune.sizing.preflight import preflight
 from reprotune.sizing.report import format_plan, make_plan
 
 FAST = ["repro=fast"]  # atomic dQ sums (the fits of issue #27 were made so; test_long_context.py says why)
-LORA_128K = ["model=qwen3_8b", "method=lora", "data.max_length=131072", *FAST]
-QLORA_64K = ["model=qwen3_8b", "method=qlora", "data.max_length=65536", *FAST]
+# the fit's choice of how many layer inputs to offload (issue #48): opt-in until its GPU side is measured on a card
+FEWEST = ["hardware.offload_layers=auto"]
+LORA_128K = ["model=qwen3_8b", "method=lora", "data.max_length=131072", *FAST, *FEWEST]
+QLORA_64K = ["model=qwen3_8b", "method=qlora", "data.max_length=65536", *FAST, *FEWEST]
 
 
 def _cfg(overrides: list[str], root: Path | None = None):
@@ -96,6 +98,11 @@ def test_the_card_before_the_host() -> None:
     assert everything.predicted["host_offload_gib"] - run.predicted["host_offload_gib"] == kept * block / GIB
     assert everything.predicted["card_gib"] < run.predicted["card_gib"]
     assert any(f"the inputs of {run.offload_layers} of 36 layers" in r for r in run.reasons), run.reasons
+    # the default (null) offloads every layer's input, as measured on cards: the same as offload_layers=36
+    default = _decide([x for x in LORA_128K if x not in FEWEST], _host("H100"))
+    assert default.activation_offloading and default.offload_layers == 0
+    assert default.predicted["offloaded_layers"] == 36
+    assert default.predicted["host_offload_gib"] == everything.predicted["host_offload_gib"]
     assert f"hardware.offload_layers={run.offload_layers}" in overrides_for(run.planned, d.configured_settings(
         _cfg(LORA_128K), _host("H100")))
 

@@ -347,7 +347,7 @@ def _memory_view(cfg: DictConfig, p: _Paths, data: DataShape | None | str = "pre
                     mask_repeats_kv=attn not in ("eager", "pair_dense") and not attn.startswith("flash"),
                     dtype_bytes=4 if p.dtype == "float32" else 2, liger=p.liger, input_casts=False,
                     ckpt_every=every_n_layers(cfg), offload=bool(offload),
-                    offload_layers=(host_memory.configured_offload_layers(cfg) or 0) if offload else 0,
+                    offload_layers=max(0, host_memory.configured_offload_layers(cfg) or 0) if offload else 0,
                     tiled_mlp=tile_tokens(cfg) if tiled else 0,
                     host_embedding=_forced_on(cfg.hardware.embedding_on_host), dq_split_sms=p.dq_split_sms, **padded)
 

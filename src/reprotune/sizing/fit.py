@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from reprotune.run_settings import Settings
+from reprotune.sizing.host import FEWEST
 from reprotune.sizing.memory import GIB, memory, needed_bytes
 from reprotune.sizing.shape import DataShape, Shape, count_params, load_table
 from reprotune.sizing.throughput import model_tokens_per_second
@@ -41,7 +42,7 @@ def allowed(cands: list[Settings], offload: bool | None, tiled: bool | None,
         if (offload is not None and c.offload != offload) or (tiled is not None and bool(c.tiled_mlp) != tiled):
             continue
         c = replace(c, tiled_mlp=tile) if tile and c.tiled_mlp else c
-        c = replace(c, offload_layers=offload_layers) if offload_layers and c.offload else c
+        c = replace(c, offload_layers=offload_layers) if offload_layers and offload_layers > 0 and c.offload else c
         if c not in out:
             out.append(c)
     return out
@@ -134,13 +135,14 @@ def fewest_offloaded(shape: Shape, s: Settings, data: DataShape | None, capacity
 
 def fastest_fitting(shape: Shape, cands: list[Settings], data: DataShape | None, capacity_bytes: float,
                     consts: dict[str, Any], throughput: dict[str, Any],
-                    host_bytes: float | None = None) -> tuple[Settings, dict[str, Any]] | None:
+                    host_bytes: float | None = None, fewest: bool = False) -> tuple[Settings, dict[str, Any]] | None:
     """Of the candidates whose card need and host need (offloaded: host_bytes, the host budget) both fit, the one
-    the throughput model predicts fastest (the earlier one on a tie); an offloading candidate offloads only the
-    layer inputs the card cannot keep (fewest_offloaded). None when none fits."""
+    the throughput model predicts fastest (the earlier one on a tie); with `fewest` (hardware.offload_layers=auto)
+    an offloading candidate offloads only the layer inputs the card cannot keep (fewest_offloaded). None when none
+    fits."""
     best = None
     for cand in cands:
-        cand = fewest_offloaded(shape, cand, data, capacity_bytes, consts)
+        cand = fewest_offloaded(shape, cand, data, capacity_bytes, consts) if fewest else cand
         mem = memory(shape, count_params(shape, list(cand.targets), cand.r, cand.dora), cand, data, consts)
         if needed_bytes(mem, consts) > capacity_bytes or not fits_host(mem, host_bytes):
             continue
@@ -161,7 +163,8 @@ def fitting_setting(shape: Shape, s: Settings, data: DataShape | None, capacity_
     throughput = load_table("throughput.yaml")
     for cands in (same_method_candidates(s), [c for c in candidate_settings(s) if c.load_in_4bit != s.load_in_4bit]):
         cands = with_host_embedding(allowed(cands, offload, tiled, tile, offload_layers), host_embedding)
-        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput, host_bytes)
+        found = fastest_fitting(shape, cands, data, capacity_gib * GIB, consts, throughput, host_bytes,
+                                fewest=offload_layers == FEWEST)
         if found:
             return found
     return None
@@ -184,7 +187,8 @@ def fit_to_budget(s: Settings, forced: bool, shape: Shape, data: DataShape | Non
              else with_host_embedding(allowed(same_method_candidates(s), offload, tiled, tile, offload_layers),
                                       host_embedding))
     if not forced:
-        found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"), host_bytes)
+        found = fastest_fitting(shape, cands, data, budget_bytes, consts, load_table("throughput.yaml"), host_bytes,
+                                fewest=offload_layers == FEWEST)
         if found:
             return found
     last = cands[-1]

@@ -41,17 +41,23 @@ def host_budget(cfg: DictConfig, available: float | None) -> float | None:
     return configured if available is None else min(configured, available)
 
 
+# hardware.offload_layers=auto as the fit receives it: offload the fewest layer inputs the card cannot keep (issue #48;
+# modelled, not yet measured on a card). None (the default, null): every layer's, as measured on cards; N: the first N.
+FEWEST = -1
+
+
 def configured_offload_layers(cfg: DictConfig) -> int | None:
-    """hardware.offload_layers when set: how many decoder layers' inputs an offloading run sends to the host, the
-    first ones (None: the fit offloads those the card cannot keep)."""
+    """hardware.offload_layers: how many decoder layers' inputs an offloading run sends to the host, the first ones;
+    None (null, the default): every layer's, the offloading measured on cards; auto: FEWEST,
+    the fit offloads only those the card cannot keep (modelled; its GPU side not yet measured on a card)."""
     value = cfg.hardware.get("offload_layers")
-    return None if value is None or value == "auto" else int(value)
+    return None if value is None else FEWEST if value == "auto" else int(value)
 
 
 def check_offload_layers(cfg: DictConfig, offload: bool | None, shape: Shape | None) -> None:
     """hardware.offload_layers only with offloading possible, and at most the model's decoder layers: one line."""
     n = configured_offload_layers(cfg)
-    if n is None:
+    if n is None or n < 1:
         return
     if offload is False and cfg.hardware.activation_offloading is False:
         raise ReprotuneError(f"hardware.offload_layers={n}: hardware.activation_offloading=false offloads nothing; "
