@@ -16,11 +16,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
-# make test / test-all run one worker more than the cores (at most 4): a worker that waits (on a sleeping child, a
-# kill, Docker's daemon, a lock) would otherwise leave its core idle. tests/conftest.py keeps each module on one
-# worker (its own loadgroup scheduler: xdist's stopped grouping under pytest 9.2), hands out the longest modules first
-# and builds the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
-PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 4 )))
+# make test / test-all run one worker per core (at most 4; one more than the cores was measured slower: the fast lane
+# 196 s vs 166 s on 2 cores, docs/testing-time.md). tests/conftest.py keeps each module on one worker (its own
+# loadgroup scheduler: xdist's stopped grouping under pytest 9.2), hands out the longest modules first and builds
+# the runs that modules share once. PYTEST_XDIST= (empty) runs in one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 PYTEST_XDIST ?= -n $(PYTEST_WORKERS) --dist loadgroup
 export REPROTUNE_LOCK_VARIANT := $(VARIANT)
 # Runs are offline unless a model preset needs the hub; tokenizers' thread pool is off for determinism.
@@ -88,7 +88,7 @@ train: data ## Fine-tune (LoRA/QLoRA/DoRA; NPROC=N processes via torchrun, NNODE
 	$(call stage,train)
 
 .PHONY: test
-test: venv data ## The fast lane (805 tests: 2:24 on 2 idle cores): unit + fast integration tests; no llama.cpp build, no image
+test: venv data ## The fast lane (851 tests: 2:47 on 2 idle cores): unit + fast integration tests; no llama.cpp build, no image
 	$(PY) -m pytest -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 .PHONY: test-all
