@@ -179,6 +179,19 @@ def content_key(content: Any, ensure_ascii: bool = False) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=ensure_ascii).encode()).hexdigest()
 
 
+def unique_by_content(records: list[Any]) -> list[Any]:
+    """The first of each set of records whose `.row` has the same content_key, in order (the prompt and pair
+    chains' dedup)."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        key = content_key(r.row)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
 def key_fraction(key: str) -> float:
     """A content key as a number in [0, 1]: `< fraction` puts an example in a split by its content alone,
     never by its neighbours or a shuffle, so appending data never moves an existing example."""

@@ -31,7 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune.errors import ReprotuneError
-from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
+from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all, unique_by_content
 from reprotune.preference import PAIR_LENGTHS_FILE
 from reprotune.preference.formats import FORMATS, PairRecord, raw_records, read_preference_data
 from reprotune.run import Run
@@ -206,12 +206,7 @@ def drop_duplicates_and_ties(cfg: DictConfig, records: list[PairRecord]
                              ) -> tuple[list[PairRecord], list[PairRecord], list[PairRecord], str]:
     """(the unique records, the ties among them, those kept, data.preference.ties): a tie's two answers are the
     same, so it teaches nothing (dropped unless ties=keep)."""
-    seen, unique = set(), []
-    for r in records:
-        key = content_key(r.row)
-        if key not in seen:
-            seen.add(key)
-            unique.append(r)
+    unique = unique_by_content(records)
     ties_policy = str(settings(cfg).get("ties", "drop"))
     if ties_policy not in ("drop", "keep"):
         raise ReprotuneError(f"{source(cfg)}:0: data.preference.ties: unknown policy {ties_policy!r} (drop or keep)")

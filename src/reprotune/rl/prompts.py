@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from reprotune.errors import ReprotuneError
-from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all
+from reprotune.io import content_key, iter_jsonl, key_fraction, replace_all, unique_by_content
 from reprotune.run import Run
 
 log = logging.getLogger("reprotune.rl")
@@ -132,13 +132,7 @@ def read_prompts(path: Path, keys: Mapping[str, str]) -> list[PromptRecord]:
 
 # ---------------------------------------------------------------------------------------------- cleaning
 def unique(records: list[PromptRecord]) -> list[PromptRecord]:
-    seen, out = set(), []
-    for r in records:
-        key = content_key(r.row)
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    return out
+    return unique_by_content(records)
 
 
 def scrub(cfg: DictConfig, records: list[PromptRecord]) -> tuple[list[dict], dict[str, Any]]:
