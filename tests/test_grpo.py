@@ -361,10 +361,8 @@ def test_make_refuses_grpo_until_it_has_a_dvc_chain_in_one_line(tmp_path: Path) 
 def test_grpo_kill_9_then_rerun_gives_the_uninterrupted_adapter_and_rollouts(tmp_path: Path) -> None:
     """The SFT resume machinery (reprotune.checkpoints) under GRPO: the sampling resumes where the checkpoint left
     it (TRL restores the RNG states), and the rollouts file keeps the killed run's rows before its checkpoint."""
-    import os
-    import signal
 
-    from .test_resume import stage_env, wait_for_sealed
+    from .test_resume import killed_at_step_then_rerun
 
     def cmd(root: Path) -> list[str]:
         return [sys.executable, "-m", "reprotune.train", *GRPO_TRAIN, "++objective.max_steps=6", "train.save_steps=2",
@@ -373,17 +371,7 @@ def test_grpo_kill_9_then_rerun_gives_the_uninterrupted_adapter_and_rollouts(tmp
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for root in (straight, killed):
         grpo_workspace(root)
-    subprocess.run(cmd(straight), env=stage_env(), check=True, capture_output=True, timeout=600)
-    proc = subprocess.Popen(cmd(killed), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_sealed(killed / "outputs/rl/checkpoints", 2, proc)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (killed / "outputs/rl/adapter").exists()
-    rerun = subprocess.run(cmd(killed), env=stage_env(2), capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed, whole = (json.loads((r / "outputs/rl/train/manifest.json").read_text()) for r in (killed, straight))
-    assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == "checkpoint-2"
+    resumed, whole = killed_at_step_then_rerun(cmd, straight, killed, "outputs/rl")
     assert resumed["outputs"]["adapter"]["sha256"] == whole["outputs"]["adapter"]["sha256"]
     assert resumed["objective"]["rollouts"]["sha256"] == whole["objective"]["rollouts"]["sha256"]
     steps = [json.loads(x)["step"] for x in (killed / "outputs/rl/rollouts.jsonl").read_text().splitlines()]

@@ -398,12 +398,9 @@ def test_packed_dpo_pairs_never_get_the_tiled_mlp_or_offloading_unasked(tmp_path
 @pytest.mark.slow  # three training processes, one killed mid-run
 def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -> None:
     """The SFT resume machinery (reprotune.checkpoints: sealed checkpoints, the run's fingerprint) under DPO."""
-    import os
-    import signal
-    import subprocess
     import sys
 
-    from .test_resume import stage_env, wait_for_sealed
+    from .test_resume import killed_at_step_then_rerun
 
     run = [*PAIRS_TRAIN, "objective=dpo", "objective.init_adapter=null", "train.max_steps=4", "++objective.max_steps=4",
            "train.save_steps=2"]
@@ -411,17 +408,7 @@ def test_dpo_kill_9_then_rerun_gives_the_uninterrupted_adapter(tmp_path: Path) -
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for root in (straight, killed):
         pair_workspace(root)
-    subprocess.run(cmd(straight), env=stage_env(), check=True, capture_output=True, timeout=600)
-    proc = subprocess.Popen(cmd(killed), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_sealed(killed / "outputs/pref/checkpoints", 2, proc)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (killed / "outputs/pref/adapter").exists()
-    rerun = subprocess.run(cmd(killed), env=stage_env(2), capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed, whole = (json.loads((r / "outputs/pref/train/manifest.json").read_text()) for r in (killed, straight))
-    assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == "checkpoint-2"
+    resumed, whole = killed_at_step_then_rerun(cmd, straight, killed, "outputs/pref")
     assert resumed["outputs"]["adapter"]["sha256"] == whole["outputs"]["adapter"]["sha256"]
     assert (killed / "outputs/pref/train/metrics.json").read_bytes() == \
         (straight / "outputs/pref/train/metrics.json").read_bytes()

@@ -55,6 +55,24 @@ def wait_for_sealed(ckpts: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError(f"no sealed checkpoint-{step} within {timeout}s")
 
 
+def killed_at_step_then_rerun(cmd, straight: Path, killed: Path, out: str, step: int = 2) -> tuple[dict, dict]:
+    """`cmd(root)` run straight through in `straight`; in `killed` it is killed (SIGKILL) once checkpoint-`step` of
+    `out`/checkpoints is sealed, and run again. Returns the train manifests (resumed, uninterrupted), after
+    checking the kill left no adapter and the rerun resumed from that checkpoint."""
+    subprocess.run(cmd(straight), env=stage_env(), check=True, capture_output=True, timeout=600)
+    proc = subprocess.Popen(cmd(killed), env=stage_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_sealed(killed / out / "checkpoints", step, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / out / "adapter").exists()
+    rerun = subprocess.run(cmd(killed), env=stage_env(2), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed, whole = (json.loads((r / out / "train/manifest.json").read_text()) for r in (killed, straight))
+    assert resumed["resumed_from"] and Path(resumed["resumed_from"]).name == f"checkpoint-{step}"
+    return resumed, whole
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = make_root(tmp_path_factory.mktemp("straight"))
